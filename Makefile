@@ -1,0 +1,47 @@
+# Two entry points that work on a fresh machine with Python 3.11 and make:
+#   make run   -> .venv with the package, then `kvstore demo` on a default store
+#   make test  -> .venv with dev deps, then ruff, mypy and pytest
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch is pinned to the CPU build that ships on these machines; a bare `torch`
+# requirement would pull several GB of CUDA wheels.
+TORCH  ?= torch==2.13.0
+DEMO_DIR ?= ./kvstore-demo
+
+.PHONY: run test lint typecheck unit bench torture clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.dev-installed: $(BIN)/.installed pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(TORCH)
+	touch $@
+
+run: $(BIN)/.installed
+	$(BIN)/kvstore demo --path $(DEMO_DIR)
+
+lint: $(BIN)/.dev-installed
+	$(BIN)/ruff check kvstore tests tools
+	$(BIN)/ruff format --check kvstore tests tools
+
+typecheck: $(BIN)/.dev-installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.dev-installed
+	$(BIN)/pytest -q -x --timeout=600
+
+test: lint typecheck unit
+
+bench: $(BIN)/.dev-installed
+	$(BIN)/python tools/bench.py --dir ./bench-data
+
+torture: $(BIN)/.dev-installed
+	$(BIN)/python tools/torture.py --dir ./torture-data --cycles 200
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) ./bench-data ./torture-data

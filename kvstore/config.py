@@ -1,0 +1,49 @@
+"""Tunables of an open store. Sizes carry their unit in the name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.format.constants import BLOCK_BYTES, MAX_PAGE_BYTES_LIMIT
+
+__all__ = ["StoreConfig"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Options for ``KVStore.open``; the defaults suit 256 KiB - 1 MiB pages on NVMe.
+
+    ``segment_bytes`` and ``max_page_bytes`` are fixed when the store is created
+    (they are recorded in the superblock); the rest may change at every open.
+    """
+
+    segment_bytes: int = 256 * MIB
+    max_page_bytes: int = 16 * MIB
+    capacity_bytes: int | None = None
+    flush_interval_ms: float = 20.0
+    checkpoint_wal_bytes: int = 64 * MIB
+    checkpoint_interval_s: float = 60.0
+    io_engine: str = "auto"  # "auto" | "io_uring" | "threadpool"
+    direct_io: bool | None = None  # None: O_DIRECT where the file system allows it
+    io_depth: int = 64
+    lsn_lease_step: int = 1 << 20
+
+    def validate(self) -> None:
+        if self.segment_bytes % BLOCK_BYTES or self.segment_bytes < 4 * BLOCK_BYTES:
+            raise ValueError(
+                f"segment_bytes must be a multiple of {BLOCK_BYTES} and at least "
+                f"{4 * BLOCK_BYTES}, got {self.segment_bytes}"
+            )
+        if not 0 < self.max_page_bytes <= MAX_PAGE_BYTES_LIMIT:
+            raise ValueError(f"max_page_bytes must be 1..{MAX_PAGE_BYTES_LIMIT}")
+        if self.max_page_bytes + 2 * BLOCK_BYTES > self.segment_bytes:
+            raise ValueError(
+                f"max_page_bytes ({self.max_page_bytes}) must fit in a segment "
+                f"({self.segment_bytes} bytes) with its header"
+            )
+        if self.capacity_bytes is not None and self.capacity_bytes < self.segment_bytes:
+            raise ValueError("capacity_bytes must be at least one segment")
+        if self.flush_interval_ms <= 0 or self.io_depth < 1 or self.lsn_lease_step < 1:
+            raise ValueError("flush_interval_ms, io_depth and lsn_lease_step must be positive")

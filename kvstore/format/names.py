@@ -1,0 +1,42 @@
+"""Every file name in a store directory comes from here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SUPERBLOCK_NAME = "KVSTORE"
+LOCK_NAME = "LOCK"
+SEGMENTS_DIR = "segments"
+WAL_DIR = "wal"
+INDEX_DIR = "index"
+CREATING_SUFFIX = ".creating"
+
+_SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
+_WAL_RE = re.compile(r"^([0-9a-f]{16})\.wal$")
+
+
+def segment_name(segment_id: int) -> str:
+    return f"{segment_id:016x}.seg"
+
+
+def wal_name(first_lsn: int) -> str:
+    return f"{first_lsn:016x}.wal"
+
+
+def parse_segment_name(name: str) -> int | None:
+    match = _SEGMENT_RE.match(name)
+    return int(match.group(1), 16) if match else None
+
+
+def parse_wal_name(name: str) -> int | None:
+    match = _WAL_RE.match(name)
+    return int(match.group(1), 16) if match else None
+
+
+def segment_path(root: Path, segment_id: int) -> Path:
+    return root / SEGMENTS_DIR / segment_name(segment_id)
+
+
+def wal_path(root: Path, first_lsn: int) -> Path:
+    return root / WAL_DIR / wal_name(first_lsn)

@@ -1,0 +1,255 @@
+"""Superblock, segment header and page record header: bytes <-> values. No I/O.
+
+Every structure here is one 4 KiB block whose last 8 bytes are the xxh3-64 of
+the 4088 bytes before them. Decoders raise ``CorruptionError`` for anything
+malformed (bad magic, bad checksum, lengths out of range) and
+``FormatVersionError`` for a version this build does not read; they never raise
+``struct.error`` or read outside the block.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import CorruptionError, FormatVersionError
+from kvstore.format.checksum import BytesLike, checksum
+from kvstore.format.constants import (
+    BLOCK_BYTES,
+    FORMAT_VERSION,
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    RECORD_MAGIC,
+    RECORD_PAGE,
+    RECORD_TOMBSTONE,
+    SEGMENT_MAGIC,
+    SUPERBLOCK_MAGIC,
+)
+
+__all__ = [
+    "RecordHeader",
+    "SegmentHeader",
+    "Superblock",
+    "decode_record_header",
+    "decode_segment_header",
+    "decode_superblock",
+    "encode_record_header_into",
+    "encode_segment_header",
+    "encode_superblock",
+]
+
+_CHECKSUM_AT = BLOCK_BYTES - 8
+_ZERO_BLOCK = bytes(BLOCK_BYTES)
+
+# magic, version, block_bytes, flags, uuid, created_ns, segment_bytes, max_page_bytes,
+# capacity_bytes
+_SUPERBLOCK = struct.Struct("<8sHHI16sQQQQ")
+# magic, version, reserved, reserved, uuid, segment_id, generation, segment_bytes, created_ns
+_SEGMENT_HEADER = struct.Struct("<8sHHI16sQQQQ")
+# magic, version, type, flags, key_len, meta_len, payload_len, lsn, segment_id, offset,
+# generation, payload_checksum
+_RECORD_HEADER = struct.Struct("<8sHBBHHQQQQQQ")
+RECORD_FIXED_BYTES = _RECORD_HEADER.size  # 64; key then meta follow
+
+
+def _seal(block: bytearray | memoryview) -> None:
+    struct.pack_into("<Q", block, _CHECKSUM_AT, checksum(block[:_CHECKSUM_AT]))
+
+
+def _verify(block: BytesLike, what: str) -> None:
+    if len(block) < BLOCK_BYTES:
+        raise CorruptionError(f"{what}: block is {len(block)} bytes, expected {BLOCK_BYTES}")
+    (stored,) = struct.unpack_from("<Q", block, _CHECKSUM_AT)
+    actual = checksum(memoryview(block)[:_CHECKSUM_AT])
+    if stored != actual:
+        raise CorruptionError(f"{what}: checksum mismatch (stored {stored:#x}, actual {actual:#x})")
+
+
+def _check_version(version: int, what: str) -> None:
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{what}: format version {version}, this build reads version {FORMAT_VERSION}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    """Contents of ``<root>/KVSTORE``: identity and creation-time configuration."""
+
+    store_uuid: bytes
+    created_unix_ns: int
+    segment_bytes: int
+    max_page_bytes: int
+    capacity_bytes: int  # 0 = unbounded
+    format_version: int = FORMAT_VERSION
+
+
+def encode_superblock(superblock: Superblock) -> bytes:
+    block = bytearray(BLOCK_BYTES)
+    _SUPERBLOCK.pack_into(
+        block,
+        0,
+        SUPERBLOCK_MAGIC,
+        superblock.format_version,
+        BLOCK_BYTES,
+        0,
+        superblock.store_uuid,
+        superblock.created_unix_ns,
+        superblock.segment_bytes,
+        superblock.max_page_bytes,
+        superblock.capacity_bytes,
+    )
+    _seal(block)
+    return bytes(block)
+
+
+def decode_superblock(block: BytesLike) -> Superblock:
+    if len(block) < BLOCK_BYTES or bytes(block[:8]) != SUPERBLOCK_MAGIC:
+        raise CorruptionError("superblock: bad magic; this is not a kvstore directory")
+    _verify(block, "superblock")
+    (_, version, block_bytes, _, uuid, created, segment_bytes, max_page, capacity) = (
+        _SUPERBLOCK.unpack_from(block, 0)
+    )
+    _check_version(version, "superblock")
+    if block_bytes != BLOCK_BYTES or segment_bytes % BLOCK_BYTES or segment_bytes == 0:
+        raise CorruptionError(
+            f"superblock: implausible geometry (block {block_bytes}, segment {segment_bytes})"
+        )
+    return Superblock(uuid, created, segment_bytes, max_page, capacity, version)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """Block 0 of every segment file: binds the file to its store, id and generation."""
+
+    store_uuid: bytes
+    segment_id: int
+    generation: int
+    segment_bytes: int
+    created_unix_ns: int
+
+
+def encode_segment_header(header: SegmentHeader) -> bytes:
+    block = bytearray(BLOCK_BYTES)
+    _SEGMENT_HEADER.pack_into(
+        block,
+        0,
+        SEGMENT_MAGIC,
+        FORMAT_VERSION,
+        0,
+        0,
+        header.store_uuid,
+        header.segment_id,
+        header.generation,
+        header.segment_bytes,
+        header.created_unix_ns,
+    )
+    _seal(block)
+    return bytes(block)
+
+
+def decode_segment_header(block: BytesLike) -> SegmentHeader:
+    if len(block) < BLOCK_BYTES or bytes(block[:8]) != SEGMENT_MAGIC:
+        raise CorruptionError("segment header: bad magic")
+    _verify(block, "segment header")
+    (_, version, _, _, uuid, segment_id, generation, segment_bytes, created) = (
+        _SEGMENT_HEADER.unpack_from(block, 0)
+    )
+    _check_version(version, "segment header")
+    return SegmentHeader(uuid, segment_id, generation, segment_bytes, created)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """The 4 KiB header block in front of every page payload in a segment.
+
+    ``segment_id``, ``offset`` and ``generation`` are where the record was
+    written, so a stale record in reused space or a misdirected write is caught.
+    """
+
+    record_type: int
+    key: bytes
+    meta: bytes
+    payload_bytes: int
+    lsn: int
+    segment_id: int
+    offset: int
+    generation: int
+    payload_checksum: int
+
+
+def encode_record_header_into(block: memoryview, header: RecordHeader) -> None:
+    """Write ``header`` as a sealed 4 KiB block at the start of ``block``."""
+    key_len = len(header.key)
+    meta_len = len(header.meta)
+    if not 0 < key_len <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key_len}")
+    if meta_len > MAX_META_BYTES:
+        raise ValueError(f"meta must be at most {MAX_META_BYTES} bytes encoded, got {meta_len}")
+    _RECORD_HEADER.pack_into(
+        block,
+        0,
+        RECORD_MAGIC,
+        FORMAT_VERSION,
+        header.record_type,
+        0,
+        key_len,
+        meta_len,
+        header.payload_bytes,
+        header.lsn,
+        header.segment_id,
+        header.offset,
+        header.generation,
+        header.payload_checksum,
+    )
+    start = RECORD_FIXED_BYTES
+    block[start : start + key_len] = header.key
+    start += key_len
+    block[start : start + meta_len] = header.meta
+    start += meta_len
+    block[start:_CHECKSUM_AT] = _ZERO_BLOCK[start:_CHECKSUM_AT]
+    _seal(block[:BLOCK_BYTES])
+
+
+def decode_record_header(block: BytesLike, *, max_page_bytes: int) -> RecordHeader:
+    """Decode and verify a record header block; lengths are range-checked."""
+    if len(block) < BLOCK_BYTES or bytes(block[:8]) != RECORD_MAGIC:
+        raise CorruptionError("page record: bad magic (no record at this location)")
+    _verify(block, "page record header")
+    (
+        _,
+        version,
+        record_type,
+        _,
+        key_len,
+        meta_len,
+        payload_bytes,
+        lsn,
+        segment_id,
+        offset,
+        generation,
+        payload_checksum,
+    ) = _RECORD_HEADER.unpack_from(block, 0)
+    _check_version(version, "page record header")
+    if record_type not in (RECORD_PAGE, RECORD_TOMBSTONE):
+        raise CorruptionError(f"page record: unknown record type {record_type}")
+    if not 0 < key_len <= MAX_KEY_BYTES or meta_len > MAX_META_BYTES:
+        raise CorruptionError(f"page record: bad key/meta length {key_len}/{meta_len}")
+    if payload_bytes > max_page_bytes:
+        raise CorruptionError(
+            f"page record: payload of {payload_bytes} bytes exceeds max_page_bytes"
+        )
+    key = bytes(block[RECORD_FIXED_BYTES : RECORD_FIXED_BYTES + key_len])
+    meta_at = RECORD_FIXED_BYTES + key_len
+    meta = bytes(block[meta_at : meta_at + meta_len])
+    return RecordHeader(
+        record_type,
+        key,
+        meta,
+        payload_bytes,
+        lsn,
+        segment_id,
+        offset,
+        generation,
+        payload_checksum,
+    )

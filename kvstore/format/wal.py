@@ -1,0 +1,271 @@
+"""WAL file header and WAL record framing: bytes <-> values. No I/O.
+
+A WAL file is a 64-byte file header followed by records. Each record is::
+
+    magic u32 | body_len u32 | type u8 | 3 zero bytes | lsn u64 | body | xxh3 u64
+
+where the trailing checksum covers the 20-byte record header and the body. The
+reader (``iter_records``) stops at the first record that is incomplete or whose
+checksum fails and reports where and why; the caller decides whether that is a
+torn tail (end of log) or corruption in the middle.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.errors import CorruptionError, FormatVersionError
+from kvstore.format.checksum import BytesLike, checksum
+from kvstore.format.constants import (
+    FORMAT_VERSION,
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    WAL_DELETE,
+    WAL_FILE_MAGIC,
+    WAL_LSN_LEASE,
+    WAL_PUT,
+    WAL_RECORD_MAGIC,
+    WAL_SEGMENT_OPEN,
+)
+
+__all__ = [
+    "WAL_FILE_HEADER_BYTES",
+    "DeleteBody",
+    "LsnLeaseBody",
+    "PutBody",
+    "SegmentOpenBody",
+    "WalFileHeader",
+    "WalRecord",
+    "WalScan",
+    "decode_body",
+    "decode_wal_file_header",
+    "encode_delete",
+    "encode_lsn_lease",
+    "encode_put",
+    "encode_segment_open",
+    "encode_wal_file_header",
+    "encode_wal_record",
+    "iter_records",
+]
+
+# magic, version, reserved, reserved, uuid, first_lsn, prev_first_lsn, created_ns, checksum
+_FILE_HEADER = struct.Struct("<8sHHI16sQQQQ")
+WAL_FILE_HEADER_BYTES = _FILE_HEADER.size  # 64
+_RECORD_HEADER = struct.Struct("<IIBxxxQ")  # magic, body_len, type, lsn
+RECORD_OVERHEAD = _RECORD_HEADER.size + 8
+MAX_BODY_BYTES = 64 + MAX_KEY_BYTES + MAX_META_BYTES
+_PUT = struct.Struct("<QQQQQHH")  # segment, generation, offset, payload_len, checksum, klen, mlen
+_DELETE = struct.Struct("<H")
+_SEGMENT_OPEN = struct.Struct("<QQ")
+_LEASE = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class WalFileHeader:
+    """Names the file's first LSN and its predecessor's, so a missing file is seen."""
+
+    store_uuid: bytes
+    first_lsn: int
+    prev_first_lsn: int  # 0: this is the first file of the chain
+    created_unix_ns: int
+
+
+def encode_wal_file_header(header: WalFileHeader) -> bytes:
+    packed = _FILE_HEADER.pack(
+        WAL_FILE_MAGIC,
+        FORMAT_VERSION,
+        0,
+        0,
+        header.store_uuid,
+        header.first_lsn,
+        header.prev_first_lsn,
+        header.created_unix_ns,
+        0,
+    )
+    body = packed[:-8]
+    return body + struct.pack("<Q", checksum(body))
+
+
+def decode_wal_file_header(data: BytesLike) -> WalFileHeader:
+    if len(data) < WAL_FILE_HEADER_BYTES or bytes(data[:8]) != WAL_FILE_MAGIC:
+        raise CorruptionError("WAL file header: bad magic or short file")
+    fields = _FILE_HEADER.unpack_from(data, 0)
+    if fields[-1] != checksum(memoryview(data)[: WAL_FILE_HEADER_BYTES - 8]):
+        raise CorruptionError("WAL file header: checksum mismatch")
+    if fields[1] != FORMAT_VERSION:
+        raise FormatVersionError(f"WAL file header: format version {fields[1]}")
+    return WalFileHeader(fields[4], fields[5], fields[6], fields[7])
+
+
+@dataclass(frozen=True, slots=True)
+class PutBody:
+    key: bytes
+    segment_id: int
+    generation: int
+    offset: int
+    payload_bytes: int
+    payload_checksum: int
+    meta: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteBody:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentOpenBody:
+    segment_id: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class LsnLeaseBody:
+    lease_until: int
+
+
+@dataclass(frozen=True, slots=True)
+class WalRecord:
+    record_type: int
+    lsn: int
+    body: bytes
+    end_offset: int  # file offset just past this record
+
+
+def encode_wal_record(record_type: int, lsn: int, body: bytes) -> bytes:
+    header = _RECORD_HEADER.pack(WAL_RECORD_MAGIC, len(body), record_type, lsn)
+    framed = header + body
+    return framed + struct.pack("<Q", checksum(framed))
+
+
+def encode_put(lsn: int, body: PutBody) -> bytes:
+    fixed = _PUT.pack(
+        body.segment_id,
+        body.generation,
+        body.offset,
+        body.payload_bytes,
+        body.payload_checksum,
+        len(body.key),
+        len(body.meta),
+    )
+    return encode_wal_record(WAL_PUT, lsn, fixed + body.key + body.meta)
+
+
+def encode_delete(lsn: int, key: bytes) -> bytes:
+    return encode_wal_record(WAL_DELETE, lsn, _DELETE.pack(len(key)) + key)
+
+
+def encode_segment_open(lsn: int, segment_id: int, generation: int) -> bytes:
+    return encode_wal_record(WAL_SEGMENT_OPEN, lsn, _SEGMENT_OPEN.pack(segment_id, generation))
+
+
+def encode_lsn_lease(lsn: int, lease_until: int) -> bytes:
+    return encode_wal_record(WAL_LSN_LEASE, lsn, _LEASE.pack(lease_until))
+
+
+WalBody = PutBody | DeleteBody | SegmentOpenBody | LsnLeaseBody
+
+
+def decode_body(record: WalRecord) -> WalBody:
+    """Decode a record's body; raises CorruptionError if it does not parse."""
+    body = record.body
+    try:
+        if record.record_type == WAL_PUT:
+            seg, gen, off, plen, csum, klen, mlen = _PUT.unpack_from(body, 0)
+            start = _PUT.size
+            if len(body) != start + klen + mlen or not 0 < klen <= MAX_KEY_BYTES:
+                raise CorruptionError(f"WAL PUT at lsn {record.lsn}: bad lengths")
+            key = body[start : start + klen]
+            meta = body[start + klen :]
+            return PutBody(key, seg, gen, off, plen, csum, meta)
+        if record.record_type == WAL_DELETE:
+            (klen,) = _DELETE.unpack_from(body, 0)
+            if len(body) != _DELETE.size + klen or not 0 < klen <= MAX_KEY_BYTES:
+                raise CorruptionError(f"WAL DELETE at lsn {record.lsn}: bad lengths")
+            return DeleteBody(body[_DELETE.size :])
+        if record.record_type == WAL_SEGMENT_OPEN:
+            if len(body) != _SEGMENT_OPEN.size:
+                raise CorruptionError(f"WAL SEGMENT_OPEN at lsn {record.lsn}: bad length")
+            seg, gen = _SEGMENT_OPEN.unpack(body)
+            return SegmentOpenBody(seg, gen)
+        if record.record_type == WAL_LSN_LEASE:
+            if len(body) != _LEASE.size:
+                raise CorruptionError(f"WAL LSN_LEASE at lsn {record.lsn}: bad length")
+            return LsnLeaseBody(_LEASE.unpack(body)[0])
+    except struct.error as e:
+        raise CorruptionError(f"WAL record at lsn {record.lsn}: {e}") from e
+    raise CorruptionError(f"WAL record at lsn {record.lsn}: unknown type {record.record_type}")
+
+
+@dataclass(slots=True)
+class WalScan:
+    """Result of scanning one WAL file's records.
+
+    ``valid_end`` is the offset just past the last good record. If
+    ``stop_reason`` is set, the bytes from ``valid_end`` on did not parse;
+    ``later_valid_offset`` is where a well-formed record was found after that
+    point (corruption in the middle), or None (a torn tail).
+    """
+
+    records: list[WalRecord]
+    valid_end: int
+    stop_reason: str | None = None
+    later_valid_offset: int | None = None
+
+
+def _parse_at(data: memoryview, offset: int) -> tuple[WalRecord | None, str | None]:
+    size = len(data)
+    if offset + _RECORD_HEADER.size > size:
+        return None, "incomplete record header"
+    magic, body_len, record_type, lsn = _RECORD_HEADER.unpack_from(data, offset)
+    if magic != WAL_RECORD_MAGIC:
+        return None, "bad record magic"
+    if body_len > MAX_BODY_BYTES:
+        return None, f"record body length {body_len} out of range"
+    end = offset + _RECORD_HEADER.size + body_len + 8
+    if end > size:
+        return None, "incomplete record"
+    (stored,) = struct.unpack_from("<Q", data, end - 8)
+    if stored != checksum(data[offset : end - 8]):
+        return None, "record checksum mismatch"
+    body = bytes(data[offset + _RECORD_HEADER.size : end - 8])
+    return WalRecord(record_type, lsn, body, end), None
+
+
+def iter_records(data: BytesLike, start: int = WAL_FILE_HEADER_BYTES) -> WalScan:
+    """Parse records from ``start``; never reads outside ``data``."""
+    view = memoryview(data)
+    records: list[WalRecord] = []
+    offset = start
+    size = len(view)
+    while offset < size:
+        record, reason = _parse_at(view, offset)
+        if record is None:
+            later = _find_later_record(view, offset + 1)
+            return WalScan(records, offset, reason, later)
+        records.append(record)
+        offset = record.end_offset
+    return WalScan(records, offset)
+
+
+def _find_later_record(view: memoryview, start: int) -> int | None:
+    """Offset of the next well-formed record after a bad one, if any (resync by magic)."""
+    magic = struct.pack("<I", WAL_RECORD_MAGIC)
+    raw = view.obj if isinstance(view.obj, bytes) else bytes(view)
+    position = start
+    while True:
+        position = raw.find(magic, position)
+        if position < 0:
+            return None
+        record, _ = _parse_at(view, position)
+        if record is not None:
+            return position
+        position += 1
+
+
+def iter_file(data: BytesLike) -> Iterator[WalRecord]:
+    """Convenience for tools: every record of a whole WAL file image."""
+    decode_wal_file_header(data)
+    yield from iter_records(data).records

@@ -1,0 +1,1 @@
+"""The page table (LMDB + overlays), checkpoints and recovery on open."""

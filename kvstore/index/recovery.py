@@ -1,0 +1,138 @@
+"""Recovery on open: the checkpointed LMDB state plus a replay of the WAL.
+
+Replay is idempotent: records in WAL files at or after ``checkpoint_lsn`` are
+exactly the changes not yet in LMDB (a checkpoint drains in-flight puts before
+it rotates the WAL), and "newer LSN wins" makes re-applying harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import CorruptionError
+from kvstore.format.constants import BLOCK_BYTES, record_span
+from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
+from kvstore.format.wal import (
+    DeleteBody,
+    LsnLeaseBody,
+    PutBody,
+    SegmentOpenBody,
+    decode_body,
+)
+from kvstore.index.lmdb_env import IndexEnv
+from kvstore.index.table import (
+    META_CHECKPOINT_LSN,
+    META_LSN_LEASE,
+    META_NEXT_SEGMENT,
+    PageTable,
+    SegmentState,
+    load_segments,
+)
+from kvstore.log.wal import WalFile, read_wal_chain
+
+__all__ = ["Recovered", "apply_delete", "apply_put", "recover_index"]
+
+
+@dataclass(slots=True)
+class Recovered:
+    table: PageTable
+    segments: dict[int, SegmentState]
+    lsn_lease: int
+    max_lsn_seen: int
+    checkpoint_lsn: int
+    next_segment_id: int
+    wal_files: list[WalFile]
+    replayed_records: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def apply_put(
+    table: PageTable, segments: dict[int, SegmentState], key: bytes, entry: PageEntry
+) -> bool:
+    """Apply a put to the table and the live-byte accounting; False if stale."""
+    segment = segments.get(entry.segment_id)
+    if segment is None or segment.generation != entry.generation:
+        raise CorruptionError(
+            f"put of {key!r} at lsn {entry.lsn} names segment {entry.segment_id} "
+            f"generation {entry.generation}, which the index does not have"
+        )
+    span = entry.span_bytes
+    segment.head_bytes = max(segment.head_bytes, entry.offset + span)
+    applied, old = table.put(key, entry)
+    if not applied:
+        return False
+    segment.live_bytes += span
+    segment.live_pages += 1
+    if old is not None:
+        _unaccount(segments, old)
+    return True
+
+
+def apply_delete(
+    table: PageTable, segments: dict[int, SegmentState], key: bytes, lsn: int
+) -> PageEntry | None:
+    old = table.delete(key, lsn)
+    if old is not None:
+        _unaccount(segments, old)
+    return old
+
+
+def _unaccount(segments: dict[int, SegmentState], old: PageEntry) -> None:
+    previous = segments.get(old.segment_id)
+    if previous is not None:
+        previous.live_bytes -= old.span_bytes
+        previous.live_pages -= 1
+
+
+def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
+    """Load the checkpoint and replay the WAL chain after it into the overlay."""
+    with env.read() as txn:
+        checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+        lease = env.get_meta(txn, META_LSN_LEASE, 1)
+        next_segment_id = env.get_meta(txn, META_NEXT_SEGMENT, 1)
+    if checkpoint_lsn == 0:
+        raise CorruptionError("index has no checkpoint_lsn; run `kvstore recover PATH`")
+    table = PageTable(env)
+    segments = load_segments(env)
+    if segments:
+        next_segment_id = max(next_segment_id, max(segments) + 1)
+    chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
+    recovered = Recovered(table, segments, lease, 0, checkpoint_lsn, next_segment_id, chain)
+    for wal_file in chain:
+        if wal_file.torn_tail:
+            recovered.notes.append(
+                f"{wal_file.path.name}: torn tail at byte {wal_file.valid_end} "
+                f"({wal_file.torn_tail})"
+            )
+        for record in wal_file.records:
+            body = decode_body(record)
+            recovered.max_lsn_seen = max(recovered.max_lsn_seen, record.lsn)
+            recovered.replayed_records += 1
+            if isinstance(body, PutBody):
+                entry = PageEntry(
+                    body.segment_id,
+                    body.generation,
+                    body.offset,
+                    body.payload_bytes,
+                    body.payload_checksum,
+                    record.lsn,
+                    body.meta,
+                )
+                apply_put(table, segments, body.key, entry)
+            elif isinstance(body, DeleteBody):
+                apply_delete(table, segments, body.key, record.lsn)
+            elif isinstance(body, SegmentOpenBody):
+                if body.segment_id not in segments:
+                    segments[body.segment_id] = SegmentState(
+                        body.generation, BLOCK_BYTES, 0, 0, 0, SEGMENT_ACTIVE
+                    )
+                recovered.next_segment_id = max(recovered.next_segment_id, body.segment_id + 1)
+            elif isinstance(body, LsnLeaseBody):
+                recovered.lsn_lease = max(recovered.lsn_lease, body.lease_until)
+    recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1)
+    return recovered
+
+
+def span_of(payload_bytes: int) -> int:
+    return record_span(payload_bytes)

@@ -1,0 +1,213 @@
+"""The page table: LMDB as of the last checkpoint, plus in-memory overlays.
+
+Lookups go: active overlay -> frozen overlay (being checkpointed) -> LMDB.
+Every change lands in the active overlay first; a checkpoint freezes it,
+writes it to LMDB in one transaction together with the new
+``checkpoint_lsn``, then drops it.
+
+Entries carry the LSN of the operation that made them, and a change only
+applies if it is newer than what is there ("newer LSN wins"), so concurrent
+puts of one key, and WAL replay, agree with the order LSNs were issued in.
+
+Mutations are serialised by the store's lock; lookups may run on any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.format.entries import (
+    PageEntry,
+    SegmentEntry,
+    decode_page_entry,
+    decode_segment_entry,
+    encode_page_entry,
+    encode_segment_entry,
+    segment_key,
+)
+from kvstore.index.lmdb_env import IndexEnv, encode_meta_u64
+
+__all__ = ["META_CHECKPOINT_LSN", "PageTable", "SegmentState", "Tombstone"]
+
+META_CHECKPOINT_LSN = b"checkpoint_lsn"  # first LSN of the WAL file replay starts from
+META_LSN_LEASE = b"lsn_lease"  # LSNs below this may be in use on disk
+META_PAGE_COUNT = b"page_count"
+META_NEXT_SEGMENT = b"next_segment_id"
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A delete not yet checkpointed; hides older entries of the key."""
+
+    lsn: int
+
+
+Slot = PageEntry | Tombstone
+
+
+@dataclass(slots=True)
+class SegmentState:
+    """Running accounting for one segment (persisted at each checkpoint)."""
+
+    generation: int
+    head_bytes: int
+    live_bytes: int
+    live_pages: int
+    created_unix_ns: int
+    state: int
+
+    def to_entry(self) -> SegmentEntry:
+        return SegmentEntry(
+            self.generation,
+            self.head_bytes,
+            self.live_bytes,
+            self.live_pages,
+            self.created_unix_ns,
+            self.state,
+        )
+
+    @classmethod
+    def from_entry(cls, entry: SegmentEntry) -> SegmentState:
+        return cls(
+            entry.generation,
+            entry.head_bytes,
+            entry.live_bytes,
+            entry.live_pages,
+            entry.created_unix_ns,
+            entry.state,
+        )
+
+
+class PageTable:
+    def __init__(self, env: IndexEnv) -> None:
+        self.env = env
+        self.active: dict[bytes, Slot] = {}
+        self.frozen: dict[bytes, Slot] | None = None
+        self._epoch = 0
+        with env.read() as txn:
+            self.page_count = env.get_meta(txn, META_PAGE_COUNT, 0)
+
+    # -- lookups -----------------------------------------------------------
+
+    def _slot(self, key: bytes) -> Slot | None:
+        while True:
+            epoch = self._epoch
+            active, frozen = self.active, self.frozen
+            slot = active.get(key)
+            if slot is None and frozen is not None:
+                slot = frozen.get(key)
+            if slot is None:
+                with self.env.read() as txn:
+                    raw = txn.get(key, db=self.env.pages)
+                slot = None if raw is None else decode_page_entry(key, raw)
+            if epoch == self._epoch:
+                return slot
+
+    def get(self, key: bytes) -> PageEntry | None:
+        slot = self._slot(key)
+        return slot if isinstance(slot, PageEntry) else None
+
+    def __len__(self) -> int:
+        return self.page_count
+
+    def keys(self) -> Iterator[bytes]:
+        """Every live key: a snapshot of the overlays merged with an LMDB scan."""
+        overlay: dict[bytes, Slot] = {}
+        frozen = self.frozen
+        if frozen is not None:
+            overlay.update(frozen)
+        overlay.update(self.active)
+        with self.env.read() as txn:
+            cursor = txn.cursor(db=self.env.pages)
+            for key in cursor.iternext(keys=True, values=False):
+                if key not in overlay:
+                    yield bytes(key)
+        for key, slot in overlay.items():
+            if isinstance(slot, PageEntry):
+                yield key
+
+    def items(self) -> Iterator[tuple[bytes, PageEntry]]:
+        for key in self.keys():
+            entry = self.get(key)
+            if entry is not None:
+                yield key, entry
+
+    # -- mutations (caller holds the store lock) --------------------------
+
+    def put(self, key: bytes, entry: PageEntry) -> tuple[bool, PageEntry | None]:
+        """Apply a put if newer. Returns (applied, replaced live entry)."""
+        old = self._slot(key)
+        if old is not None and old.lsn > entry.lsn:
+            return False, None
+        self.active[key] = entry
+        if isinstance(old, PageEntry):
+            return True, old
+        self.page_count += 1
+        return True, None
+
+    def delete(self, key: bytes, lsn: int) -> PageEntry | None:
+        """Apply a delete if newer; returns the entry it removed, if any."""
+        old = self._slot(key)
+        if not isinstance(old, PageEntry) or old.lsn > lsn:
+            return None
+        self.active[key] = Tombstone(lsn)
+        self.page_count -= 1
+        return old
+
+    # -- checkpoint --------------------------------------------------------
+
+    def freeze(self) -> dict[bytes, Slot]:
+        """Move the active overlay aside for checkpointing (caller holds the lock)."""
+        assert self.frozen is None, "a checkpoint is already in progress"
+        frozen = self.active
+        self.frozen = frozen
+        self.active = {}
+        self._epoch += 1
+        return frozen
+
+    def commit_frozen(
+        self,
+        frozen: dict[bytes, Slot],
+        segments: dict[int, SegmentState],
+        dropped_segments: list[int],
+        meta: dict[bytes, int],
+    ) -> None:
+        """Write the frozen overlay, segment states and meta in one LMDB transaction."""
+
+        def body(txn: Any) -> None:
+            for key, slot in frozen.items():
+                if isinstance(slot, PageEntry):
+                    txn.put(key, encode_page_entry(key, slot), db=self.env.pages)
+                else:
+                    txn.delete(key, db=self.env.pages)
+            for segment_id, state in segments.items():
+                txn.put(
+                    segment_key(segment_id),
+                    encode_segment_entry(segment_id, state.to_entry()),
+                    db=self.env.segments,
+                )
+            for segment_id in dropped_segments:
+                txn.delete(segment_key(segment_id), db=self.env.segments)
+            for key, value in meta.items():
+                txn.put(key, encode_meta_u64(key, value), db=self.env.meta)
+
+        self.env.write(body)
+        self.frozen = None
+        self._epoch += 1
+
+
+def load_segments(env: IndexEnv) -> dict[int, SegmentState]:
+    """Every segment in the ``segments`` database, verified."""
+    found: dict[int, SegmentState] = {}
+    with env.read() as txn:
+        cursor = txn.cursor(db=env.segments)
+        for raw_key, raw_value in cursor:
+            segment_id = int.from_bytes(raw_key, "big")
+            if raw_key != segment_key(segment_id):
+                from kvstore.errors import CorruptionError
+
+                raise CorruptionError(f"segment table has a malformed key {raw_key!r}")
+            found[segment_id] = SegmentState.from_entry(decode_segment_entry(segment_id, raw_value))
+    return found

@@ -1,0 +1,1 @@
+"""Segment files (page records) and the write-ahead log."""

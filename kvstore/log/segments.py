@@ -1,0 +1,150 @@
+"""Segment files: fixed-size, preallocated, append-only logs of page records.
+
+Layout: block 0 is the segment header; records follow, each a 4 KiB header
+block and a payload padded to 4 KiB. Space is handed out by ``reserve`` under
+the store's lock; the bytes are written by the caller's I/O queue.
+
+Invariant: a segment file exists and its directory entry is durable (file
+fsync + segments/ fsync) before any WAL record names it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.errors import CorruptionError, IOFailure
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.names import SEGMENTS_DIR, parse_segment_name, segment_path
+from kvstore.format.records import (
+    SegmentHeader,
+    decode_segment_header,
+    encode_segment_header,
+)
+from kvstore.io.buffers import AlignedBuffer
+from kvstore.io.files import fsync_dir, open_data_file
+
+__all__ = ["Segment", "create_segment", "list_segment_files", "open_segment"]
+
+
+@dataclass(slots=True)
+class Segment:
+    """An open segment file. ``head`` is the next free offset (4 KiB aligned)."""
+
+    segment_id: int
+    generation: int
+    path: Path
+    fd: int
+    size_bytes: int
+    head: int
+    created_unix_ns: int
+    dirty: bool = False  # written since its last fdatasync
+
+    def remaining(self) -> int:
+        return self.size_bytes - self.head
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def create_segment(
+    root: Path,
+    segment_id: int,
+    generation: int,
+    *,
+    size_bytes: int,
+    store_uuid: bytes,
+    direct: bool,
+) -> Segment:
+    """Create, preallocate, stamp and durably link a new segment file."""
+    path = segment_path(root, segment_id)
+    fd = open_data_file(path, direct=direct, create=True)
+    created = time.time_ns()
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size_bytes)
+        except OSError as e:
+            raise IOFailure(f"cannot preallocate {size_bytes} bytes for {path}", e.errno) from e
+        header = encode_segment_header(
+            SegmentHeader(store_uuid, segment_id, generation, size_bytes, created)
+        )
+        block = AlignedBuffer(BLOCK_BYTES)
+        block.view[:] = header
+        try:
+            written = os.pwritev(fd, [block.view], 0)
+            if written != BLOCK_BYTES:
+                raise IOFailure(f"short write of segment header to {path}")
+            os.fsync(fd)
+        except OSError as e:
+            raise IOFailure(f"cannot initialise segment {path}", e.errno) from e
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    fsync_dir(root / SEGMENTS_DIR)
+    return Segment(segment_id, generation, path, fd, size_bytes, BLOCK_BYTES, created)
+
+
+def read_segment_header(fd: int, path: Path) -> SegmentHeader:
+    block = AlignedBuffer(BLOCK_BYTES)
+    try:
+        count = os.preadv(fd, [block.view], 0)
+    except OSError as e:
+        raise IOFailure(f"cannot read segment header of {path}", e.errno) from e
+    if count != BLOCK_BYTES:
+        raise CorruptionError(f"segment {path}: file shorter than its header")
+    return decode_segment_header(block.view)
+
+
+def open_segment(
+    root: Path,
+    segment_id: int,
+    generation: int,
+    head: int,
+    *,
+    store_uuid: bytes,
+    direct: bool,
+    readonly: bool = False,
+) -> Segment:
+    """Open an existing segment and check that its header matches the index."""
+    path = segment_path(root, segment_id)
+    if not path.exists():
+        raise CorruptionError(f"segment {segment_id} is in the index but {path} is missing")
+    flags_direct = direct
+    fd = (
+        os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if flags_direct else 0))
+        if readonly
+        else open_data_file(path, direct=direct)
+    )
+    try:
+        header = read_segment_header(fd, path)
+        if header.store_uuid != store_uuid:
+            raise CorruptionError(f"segment {path} belongs to another store")
+        if header.segment_id != segment_id or header.generation != generation:
+            raise CorruptionError(
+                f"segment {path}: header says id {header.segment_id} generation "
+                f"{header.generation}, index says {segment_id}/{generation}"
+            )
+        size = os.fstat(fd).st_size
+        if size < header.segment_bytes:
+            raise CorruptionError(f"segment {path} is truncated ({size} < {header.segment_bytes})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return Segment(
+        segment_id, generation, path, fd, header.segment_bytes, head, header.created_unix_ns
+    )
+
+
+def list_segment_files(root: Path) -> dict[int, Path]:
+    """Segment id -> path for every well-named file in segments/."""
+    found: dict[int, Path] = {}
+    for entry in os.scandir(root / SEGMENTS_DIR):
+        segment_id = parse_segment_name(entry.name)
+        if segment_id is not None:
+            found[segment_id] = Path(entry.path)
+    return found

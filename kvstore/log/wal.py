@@ -1,0 +1,177 @@
+"""The write-ahead log: append with group commit, rotate, and read back.
+
+Files are ``wal/<first_lsn>.wal``: a file header naming the predecessor file,
+then framed records (see kvstore/format/wal.py). Writes are buffered appends
+followed by ``fdatasync``; a new file is fsynced and its directory entry made
+durable before any record is appended to it.
+
+Invariants:
+- A record is appended only after the segment data it names is durable
+  (the store's group commit fdatasyncs segments first).
+- A failed write or fdatasync poisons the writer: it is never retried
+  (fsyncgate), the store stops accepting writes and recovery replays the log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.errors import CorruptionError, IOFailure, WriterFailedError
+from kvstore.format.names import WAL_DIR, parse_wal_name, wal_path
+from kvstore.format.wal import (
+    WAL_FILE_HEADER_BYTES,
+    WalFileHeader,
+    WalRecord,
+    decode_wal_file_header,
+    encode_wal_file_header,
+    iter_records,
+)
+from kvstore.io.files import FILE_MODE, fsync_dir
+
+__all__ = ["WalFile", "WalWriter", "list_wal_files", "read_wal_chain"]
+
+
+class WalWriter:
+    """Appends to the newest WAL file. Not thread-safe: the store serialises commits."""
+
+    def __init__(self, root: Path, store_uuid: bytes, first_lsn: int, prev_first_lsn: int) -> None:
+        self.root = root
+        self.store_uuid = store_uuid
+        self.first_lsn = first_lsn
+        self.fd = -1
+        self.size_bytes = 0
+        self.total_bytes_written = 0
+        self._open_new(first_lsn, prev_first_lsn)
+
+    def _open_new(self, first_lsn: int, prev_first_lsn: int) -> None:
+        path = wal_path(self.root, first_lsn)
+        header = encode_wal_file_header(
+            WalFileHeader(self.store_uuid, first_lsn, prev_first_lsn, time.time_ns())
+        )
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        except OSError as e:
+            raise IOFailure(f"cannot create WAL file {path}", e.errno) from e
+        try:
+            _write_all(fd, header, path)
+            os.fdatasync(fd)
+        except OSError as e:
+            os.close(fd)
+            raise WriterFailedError(f"cannot initialise WAL file {path}", e.errno) from e
+        fsync_dir(self.root / WAL_DIR)
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = fd
+        self.first_lsn = first_lsn
+        self.size_bytes = len(header)
+        self.total_bytes_written += len(header)
+
+    def append(self, data: bytes) -> None:
+        """Append framed records (not yet durable)."""
+        try:
+            _write_all(self.fd, data, wal_path(self.root, self.first_lsn))
+        except OSError as e:
+            raise WriterFailedError("append to the WAL failed", e.errno) from e
+        self.size_bytes += len(data)
+        self.total_bytes_written += len(data)
+
+    def sync(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError as e:
+            raise WriterFailedError("fdatasync of the WAL failed", e.errno) from e
+
+    def rotate(self, first_lsn: int) -> None:
+        """Start a new file whose records all have LSN-order after this one's."""
+        self._open_new(first_lsn, self.first_lsn)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _write_all(fd: int, data: bytes, path: Path) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(5, f"short write to {path}")
+        view = view[written:]
+
+
+def list_wal_files(root: Path) -> list[tuple[int, Path]]:
+    """(first_lsn, path) of every well-named WAL file, oldest first."""
+    found = []
+    for entry in os.scandir(root / WAL_DIR):
+        first = parse_wal_name(entry.name)
+        if first is not None:
+            found.append((first, Path(entry.path)))
+    return sorted(found)
+
+
+@dataclass(slots=True)
+class WalFile:
+    """One WAL file as read at recovery."""
+
+    first_lsn: int
+    path: Path
+    records: list[WalRecord]
+    valid_end: int
+    file_bytes: int
+    torn_tail: str | None  # why the tail was cut, if it was
+
+
+def read_wal_chain(root: Path, store_uuid: bytes, start_lsn: int) -> list[WalFile]:
+    """Read every WAL file from the one named ``start_lsn`` on, checking the chain.
+
+    A torn tail is allowed only in the newest file (``torn_tail`` says why).
+    Corruption anywhere else, a missing file, a broken chain, or a file of
+    another store raises CorruptionError that names ``kvstore recover``.
+    """
+    files = [(first, path) for first, path in list_wal_files(root) if first >= start_lsn]
+    if not files or files[0][0] != start_lsn:
+        raise CorruptionError(
+            f"WAL file {wal_path(root, start_lsn).name} named by the checkpoint is missing; "
+            "run `kvstore recover PATH`"
+        )
+    chain: list[WalFile] = []
+    for position, (first, path) in enumerate(files):
+        is_last = position == len(files) - 1
+        data = path.read_bytes()
+        try:
+            header = decode_wal_file_header(data)
+        except CorruptionError:
+            if is_last and position > 0 and _looks_unwritten(data):
+                # Created but never got its header durably: a crash during rotation.
+                chain.append(WalFile(first, path, [], 0, len(data), "header never written"))
+                break
+            raise CorruptionError(
+                f"WAL file {path.name} has a damaged header; run `kvstore recover PATH`"
+            ) from None
+        if header.store_uuid != store_uuid or header.first_lsn != first:
+            raise CorruptionError(
+                f"WAL file {path.name} does not belong here; run `kvstore recover PATH`"
+            )
+        if chain and header.prev_first_lsn != chain[-1].first_lsn:
+            raise CorruptionError(
+                f"WAL chain broken before {path.name}: it follows "
+                f"{header.prev_first_lsn:016x}.wal, which is missing; run `kvstore recover PATH`"
+            )
+        scan = iter_records(data, WAL_FILE_HEADER_BYTES)
+        if scan.stop_reason is not None and (not is_last or scan.later_valid_offset is not None):
+            raise CorruptionError(
+                f"WAL file {path.name} is corrupt at byte {scan.valid_end} "
+                f"({scan.stop_reason}) with valid records after it; run `kvstore recover PATH`"
+            )
+        chain.append(
+            WalFile(first, path, scan.records, scan.valid_end, len(data), scan.stop_reason)
+        )
+    return chain
+
+
+def _looks_unwritten(data: bytes) -> bool:
+    return len(data) < WAL_FILE_HEADER_BYTES or not any(data[:WAL_FILE_HEADER_BYTES])

@@ -1,0 +1,1049 @@
+"""KVStore: the engine-facing API. Owns the threads, the locks and the write path.
+
+Write path (see docs/design.md):
+
+    put -> reserve aligned space at the active segment's head (under the lock)
+        -> write header block + padded payload with the I/O engine
+        -> publish: page table overlay + a pending WAL PUT record
+    group commit (flush, sync puts, the flusher thread every flush_interval_ms)
+        -> fdatasync every segment written since the last commit
+        -> append the pending records to the WAL, fdatasync the WAL
+
+Invariants:
+- A WAL record is appended only after the segment data it names is durable.
+- LSNs below the durable lease (an LSN_LEASE WAL record) are never reissued,
+  so an unacknowledged record left in a segment by a crash never shares an
+  LSN with a later page.
+- A checkpoint first drains in-flight puts and commits, then freezes the
+  overlay and rotates the WAL, so the WAL files from ``checkpoint_lsn`` on
+  hold exactly the changes not yet in LMDB.
+- A failed write or fsync stops the writer for good (WriterFailedError);
+  reopening replays the WAL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    ClosedError,
+    CorruptionError,
+    IOFailure,
+    KVStoreError,
+    LockedError,
+    ReadOnlyError,
+    StoreFullError,
+    StoreNotFoundError,
+    WriterFailedError,
+)
+from kvstore.format.checksum import checksum
+from kvstore.format.constants import (
+    BLOCK_BYTES,
+    FORMAT_VERSION,
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    RECORD_PAGE,
+    record_span,
+)
+from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
+from kvstore.format.names import (
+    INDEX_DIR,
+    LOCK_NAME,
+    SEGMENTS_DIR,
+    SUPERBLOCK_NAME,
+    WAL_DIR,
+)
+from kvstore.format.records import (
+    RecordHeader,
+    Superblock,
+    decode_record_header,
+    decode_superblock,
+    encode_record_header_into,
+    encode_superblock,
+)
+from kvstore.format.wal import (
+    PutBody,
+    encode_delete,
+    encode_lsn_lease,
+    encode_put,
+    encode_segment_open,
+)
+from kvstore.index.lmdb_env import IndexEnv
+from kvstore.index.recovery import Recovered, apply_delete, apply_put, recover_index
+from kvstore.index.table import (
+    META_CHECKPOINT_LSN,
+    META_LSN_LEASE,
+    META_NEXT_SEGMENT,
+    META_PAGE_COUNT,
+    SegmentState,
+)
+from kvstore.io.buffers import AlignedBuffer, BufferPool
+from kvstore.io.engine import IOEngine, IOQueue, make_engine
+from kvstore.io.files import FILE_MODE, fsync_dir, probe_direct_io, write_file_durably
+from kvstore.log.segments import Segment, create_segment, list_segment_files, open_segment
+from kvstore.log.wal import WalWriter, list_wal_files
+from kvstore.types import Key, Meta, PageInfo, StoreStats
+
+__all__ = ["KVStore"]
+
+_ZERO_BLOCK = bytes(BLOCK_BYTES)
+
+
+def _key_bytes(key: object) -> bytes:
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+    elif isinstance(key, bytes):
+        raw = key
+    else:
+        raise TypeError(f"key must be bytes or str, not {type(key).__name__}")
+    if not 0 < len(raw) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def _value_view(value: object, max_page_bytes: int) -> memoryview:
+    try:
+        view = memoryview(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            "value must support the buffer protocol (bytes, bytearray, memoryview, "
+            f"numpy array), not {type(value).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("value must be C-contiguous; copy it first (e.g. numpy.ascontiguousarray)")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    size = view.nbytes
+    if size == 0:
+        raise ValueError("value is empty; pages must be at least 1 byte")
+    if size > max_page_bytes:
+        raise ValueError(f"value of {size} bytes exceeds max_page_bytes ({max_page_bytes})")
+    return view
+
+
+def _meta_bytes(meta: Meta | None) -> bytes:
+    if meta is None:
+        return b""
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a mapping of str to JSON values, not {type(meta).__name__}")
+    try:
+        raw = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"meta must hold only JSON values: {e}") from None
+    if len(raw) > MAX_META_BYTES:
+        raise ValueError(f"meta encodes to {len(raw)} bytes; the limit is {MAX_META_BYTES}")
+    return raw
+
+
+def _decode_meta(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        return {}
+    decoded = json.loads(raw)
+    if not isinstance(decoded, dict):
+        raise CorruptionError("page meta is not a JSON object")
+    return decoded
+
+
+@dataclasses.dataclass(slots=True)
+class _PendingPut:
+    key: bytes
+    entry: PageEntry
+    buffer: AlignedBuffer
+    segment: Segment
+    span: int
+
+
+class KVStore:
+    """A persistent store of KV-cache pages. Open with ``KVStore.open``.
+
+    Thread-safe. One writer process per store (flock on ``LOCK``); any number
+    of ``readonly=True`` opens may run beside it and see the state as of their
+    open.
+    """
+
+    # -- opening -----------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        readonly: bool = False,
+        capacity_bytes: int | None = None,
+        segment_bytes: int = 256 << 20,
+        max_page_bytes: int = 16 << 20,
+        **options: Any,
+    ) -> KVStore:
+        """Open (or with ``create=True`` create) the store at ``path``.
+
+        ``options`` are the other ``StoreConfig`` fields (flush_interval_ms,
+        checkpoint_wal_bytes, io_engine, direct_io, io_depth, ...).
+        """
+        try:
+            config = StoreConfig(
+                segment_bytes=segment_bytes,
+                max_page_bytes=max_page_bytes,
+                capacity_bytes=capacity_bytes,
+                **options,
+            )
+        except TypeError as e:
+            raise TypeError(f"unknown store option: {e}") from None
+        config.validate()
+        root = Path(path)
+        if not (root / SUPERBLOCK_NAME).exists():
+            if not create or readonly:
+                raise StoreNotFoundError(f"no kvstore at {root}")
+            _create_store(root, config)
+        return cls(root, config, readonly=readonly)
+
+    def __init__(self, root: Path, config: StoreConfig, *, readonly: bool) -> None:
+        self.root = root
+        self.readonly = readonly
+        self._closed = False
+        self._lock_fd = -1
+        self._failed: WriterFailedError | None = None
+        try:
+            superblock = decode_superblock((root / SUPERBLOCK_NAME).read_bytes())
+        except OSError as e:
+            raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
+        self.superblock = superblock
+        # Geometry is fixed at creation; runtime options come from this open.
+        self.config = dataclasses.replace(
+            config,
+            segment_bytes=superblock.segment_bytes,
+            max_page_bytes=superblock.max_page_bytes,
+        )
+        if not readonly:
+            self._lock_fd = _acquire_writer_lock(root)
+        try:
+            self._open_state()
+        except BaseException:
+            self._release_resources()
+            raise
+
+    def _open_state(self) -> None:
+        root, config = self.root, self.config
+        self.direct_io = (
+            probe_direct_io(root / SEGMENTS_DIR) if config.direct_io is None else config.direct_io
+        )
+        if self.readonly:
+            self.direct_io = config.direct_io if config.direct_io is not None else self.direct_io
+        self._engine: IOEngine = make_engine(config.io_engine, config.io_depth)
+        self._buffers = BufferPool()
+        self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
+        recovered = self._recover()
+        self._table = recovered.table
+        self._segment_states = recovered.segments
+        self._next_segment_id = recovered.next_segment_id
+        self._checkpoint_lsn = recovered.checkpoint_lsn
+        self.recovery_notes = list(recovered.notes)
+        self.replayed_records = recovered.replayed_records
+        # Never reissue an LSN that a crashed writer may have stamped on a record.
+        self._next_lsn = recovered.lsn_lease
+        self._lease_until = self._next_lsn
+        self._durable_lsn = self._next_lsn - 1
+        self._segments: dict[int, Segment] = {}
+        for segment_id, state in sorted(self._segment_states.items()):
+            self._segments[segment_id] = open_segment(
+                root,
+                segment_id,
+                state.generation,
+                state.head_bytes,
+                store_uuid=self.superblock.store_uuid,
+                direct=self.direct_io,
+                readonly=self.readonly,
+            )
+        self._active: Segment | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._commit_lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
+        self._pending: list[bytes] = []
+        self._inflight = 0
+        self._freezing = False
+        self._counters: dict[str, int] = {
+            "puts": 0,
+            "host_bytes_written": 0,
+            "segment_bytes_written": 0,
+            "gets": 0,
+            "hits": 0,
+            "misses": 0,
+            "bytes_read": 0,
+            "deletes": 0,
+            "commits": 0,
+            "checkpoints": 0,
+        }
+        self._last_checkpoint = time.monotonic()
+        self._wal: WalWriter | None = None
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if self.readonly:
+            return
+        self._choose_active_segment()
+        chain = recovered.wal_files
+        prev = chain[-1].first_lsn if chain else 0
+        self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
+        self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
+        self._flusher.start()
+
+    def _recover(self) -> Recovered:
+        attempts = 3 if self.readonly else 1
+        for attempt in range(attempts):
+            try:
+                recovered = recover_index(self._env, self.root, self.superblock.store_uuid)
+                break
+            except (CorruptionError, FileNotFoundError):
+                # A read-only open can race the writer's checkpoint deleting WAL files.
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.05)
+        if not self.readonly:
+            self._repair_after_crash(recovered)
+        return recovered
+
+    def _repair_after_crash(self, recovered: Recovered) -> None:
+        """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
+        root = self.root
+        kept = []
+        for wal_file in recovered.wal_files:
+            if wal_file.torn_tail == "header never written":
+                wal_file.path.unlink()
+                continue
+            if wal_file.valid_end < wal_file.file_bytes:
+                with open(wal_file.path, "r+b") as handle:
+                    handle.truncate(wal_file.valid_end)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            kept.append(wal_file)
+        recovered.wal_files = kept
+        for first_lsn, path in list_wal_files(root):
+            if first_lsn < recovered.checkpoint_lsn:
+                path.unlink()
+        fsync_dir(root / WAL_DIR)
+        for segment_id, path in list_segment_files(root).items():
+            if segment_id not in recovered.segments:
+                # Created, but its SEGMENT_OPEN never became durable: nothing points in.
+                path.unlink()
+                recovered.notes.append(f"removed orphan segment file {path.name}")
+        for entry in os.scandir(root / SEGMENTS_DIR):
+            if entry.name.endswith(".tmp") or entry.name.startswith("."):
+                os.unlink(entry.path)
+        fsync_dir(root / SEGMENTS_DIR)
+
+    def _choose_active_segment(self) -> None:
+        for segment_id in sorted(self._segments, reverse=True):
+            segment = self._segments[segment_id]
+            state = self._segment_states[segment_id]
+            if state.state == SEGMENT_ACTIVE and segment.remaining() > BLOCK_BYTES:
+                # Resume at the durable head: whatever a crash left past it is reclaimed.
+                self._active = segment
+                break
+        for segment_id, state in self._segment_states.items():
+            if self._active is None or segment_id != self._active.segment_id:
+                state.state = SEGMENT_SEALED
+
+    # -- context manager and closing --------------------------------------
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush, checkpoint and release everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.readonly and hasattr(self, "_stop"):
+                self._stop.set()
+                if self._flusher is not None:
+                    self._flusher.join()
+                if self._failed is None:
+                    self._checkpoint()
+        finally:
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        wal = getattr(self, "_wal", None)
+        if wal is not None:
+            wal.close()
+        for segment in getattr(self, "_segments", {}).values():
+            segment.close()
+        env = getattr(self, "_env", None)
+        if env is not None:
+            env.close()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"store {self.root} is closed")
+
+    def _check_writable(self) -> None:
+        """Caller holds ``_lock``."""
+        if self._closed:
+            raise ClosedError(f"store {self.root} is closed")
+        if self.readonly:
+            raise ReadOnlyError(f"store {self.root} was opened read-only")
+        if self._failed is not None:
+            raise WriterFailedError(
+                f"the writer stopped after an earlier failure ({self._failed}); reopen the store"
+            )
+
+    def _fail(self, error: WriterFailedError) -> WriterFailedError:
+        with self._lock:
+            if self._failed is None:
+                self._failed = error
+        return error
+
+    # -- LSNs, segments, reservation ---------------------------------------
+
+    def _take_lsn(self) -> int:
+        """Caller holds ``_lock`` (or is single-threaded during open)."""
+        lsn = self._next_lsn
+        self._next_lsn += 1
+        return lsn
+
+    def _extend_lease(self) -> None:
+        """Make a new LSN lease durable before any LSN past the old one is used."""
+        with self._commit_lock:
+            with self._lock:
+                self._check_writable()
+                if self._next_lsn < self._lease_until:
+                    return
+                lsn = self._take_lsn()
+                new_lease = self._next_lsn + self.config.lsn_lease_step
+                self._pending.append(encode_lsn_lease(lsn, new_lease))
+            self._commit_locked()
+            with self._lock:
+                self._lease_until = new_lease
+
+    def _roll_segment(self) -> Segment:
+        """Open a fresh active segment. Caller holds ``_lock``."""
+        segment_id = self._next_segment_id
+        generation = self._take_lsn()
+        try:
+            segment = create_segment(
+                self.root,
+                segment_id,
+                generation,
+                size_bytes=self.config.segment_bytes,
+                store_uuid=self.superblock.store_uuid,
+                direct=self.direct_io,
+            )
+        except IOFailure as e:
+            if e.errno == 28:  # ENOSPC: nothing was written, the writer stays healthy
+                raise StoreFullError(
+                    f"no space on the device for a new {self.config.segment_bytes}-byte segment"
+                ) from e
+            raise
+        self._next_segment_id += 1
+        if self._active is not None:
+            self._segment_states[self._active.segment_id].state = SEGMENT_SEALED
+        self._segments[segment_id] = segment
+        self._segment_states[segment_id] = SegmentState(
+            generation, BLOCK_BYTES, 0, 0, segment.created_unix_ns, SEGMENT_ACTIVE
+        )
+        self._pending.append(encode_segment_open(generation, segment_id, generation))
+        self._active = segment
+        return segment
+
+    def _reserve(self, span: int) -> tuple[Segment, int, int]:
+        """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight."""
+        while True:
+            with self._cond:
+                self._check_writable()
+                while self._freezing:
+                    self._cond.wait()
+                    self._check_writable()
+                if self._next_lsn + 2 >= self._lease_until:
+                    needs_lease = True
+                else:
+                    needs_lease = False
+                    segment = self._active
+                    if segment is None or segment.remaining() < span:
+                        segment = self._roll_segment()
+                    offset = segment.head
+                    segment.head += span
+                    lsn = self._take_lsn()
+                    self._inflight += 1
+                    return segment, offset, lsn
+            if needs_lease:
+                self._extend_lease()
+
+    def _finish_inflight(self) -> None:
+        """Caller holds ``_lock``."""
+        self._inflight -= 1
+        if self._inflight == 0 and self._freezing:
+            self._cond.notify_all()
+
+    # -- writes --------------------------------------------------------------
+
+    def put(self, key: Key, value: object, *, meta: Meta | None = None, sync: bool = False) -> bool:
+        """Store ``value`` under ``key``. True when stored.
+
+        Readable when this returns; durable at the next group commit (within
+        ``flush_interval_ms``), or before returning when ``sync=True``.
+        """
+        return self.put_many([(key, value, meta)], sync=sync)[0]
+
+    def put_many(
+        self,
+        items: Iterable[tuple[Key, object] | tuple[Key, object, Meta | None]],
+        *,
+        sync: bool = False,
+    ) -> list[bool]:
+        """Store many pages with up to ``io_depth`` writes in flight.
+
+        Returns, per item, True when stored (False is reserved for an admission
+        policy declining the page). Items are validated before anything is
+        written, so a bad item raises without storing any of the batch.
+        """
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"store {self.root} was opened read-only")
+        prepared = []
+        for item in items:
+            if not isinstance(item, tuple) or len(item) not in (2, 3):
+                raise TypeError("put_many items must be (key, value) or (key, value, meta) tuples")
+            key = _key_bytes(item[0])
+            view = _value_view(item[1], self.config.max_page_bytes)
+            meta = _meta_bytes(item[2] if len(item) == 3 else None)
+            prepared.append((key, view, meta))
+        if not prepared:
+            return []
+        queue = self._engine.queue()
+        in_flight: dict[int, _PendingPut] = {}
+        error: KVStoreError | None = None
+        try:
+            for token, (key, view, meta) in enumerate(prepared):
+                size = view.nbytes
+                span = record_span(size)
+                payload_checksum = checksum(view)
+                segment, offset, lsn = self._reserve(span)
+                buffer = self._buffers.acquire(span)
+                block = buffer.view
+                encode_record_header_into(
+                    block,
+                    RecordHeader(
+                        RECORD_PAGE,
+                        key,
+                        meta,
+                        size,
+                        lsn,
+                        segment.segment_id,
+                        offset,
+                        segment.generation,
+                        payload_checksum,
+                    ),
+                )
+                block[BLOCK_BYTES : BLOCK_BYTES + size] = view
+                block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
+                entry = PageEntry(
+                    segment.segment_id,
+                    segment.generation,
+                    offset,
+                    size,
+                    payload_checksum,
+                    lsn,
+                    meta,
+                )
+                in_flight[token] = _PendingPut(key, entry, buffer, segment, span)
+                queue.write(segment.fd, offset, block[:span], token)
+                if queue.in_flight >= self.config.io_depth:
+                    error = self._complete_puts(queue, in_flight, 1) or error
+                    if error is not None:
+                        break
+        finally:
+            while queue.in_flight:
+                error = self._complete_puts(queue, in_flight, queue.in_flight) or error
+            if in_flight:  # reserved but never submitted (an exception above)
+                with self._lock:
+                    for _ in in_flight:
+                        self._finish_inflight()
+                for pending in in_flight.values():
+                    self._buffers.release(pending.buffer)
+        if error is not None:
+            raise error
+        if sync:
+            self.flush()
+        return [True] * len(prepared)
+
+    def _complete_puts(
+        self, queue: IOQueue, in_flight: dict[int, _PendingPut], wanted: int
+    ) -> KVStoreError | None:
+        """Reap write completions and publish the pages that were written whole."""
+        completions = queue.wait(wanted)
+        error: KVStoreError | None = None
+        records: list[bytes | None] = []
+        published: list[_PendingPut] = []
+        for token, result in completions:
+            pending = in_flight.pop(token)
+            if result != pending.span:
+                errno = -result if result < 0 else None
+                error = self._fail(
+                    WriterFailedError(
+                        f"write of {pending.span} bytes to segment {pending.segment.segment_id} "
+                        f"at offset {pending.entry.offset} returned {result}",
+                        errno,
+                    )
+                )
+                records.append(None)
+            else:
+                entry = pending.entry
+                records.append(
+                    encode_put(
+                        entry.lsn,
+                        PutBody(
+                            pending.key,
+                            entry.segment_id,
+                            entry.generation,
+                            entry.offset,
+                            entry.payload_bytes,
+                            entry.payload_checksum,
+                            entry.meta,
+                        ),
+                    )
+                )
+            published.append(pending)
+        with self._lock:
+            for pending, record in zip(published, records, strict=True):
+                self._finish_inflight()
+                if record is None:
+                    continue
+                apply_put(self._table, self._segment_states, pending.key, pending.entry)
+                self._pending.append(record)
+                pending.segment.dirty = True
+                self._counters["puts"] += 1
+                self._counters["host_bytes_written"] += pending.entry.payload_bytes
+                self._counters["segment_bytes_written"] += pending.span
+        for pending in published:
+            self._buffers.release(pending.buffer)
+        return error
+
+    def delete(self, key: Key) -> bool:
+        """Delete ``key``; True if it was present. Durable like a plain put."""
+        raw = _key_bytes(key)
+        with self._cond:
+            self._check_writable()
+            while self._freezing:
+                self._cond.wait()
+                self._check_writable()
+            if self._table.get(raw) is None:
+                return False
+            if self._next_lsn + 2 >= self._lease_until:
+                lease_needed = True
+            else:
+                lease_needed = False
+                lsn = self._take_lsn()
+                apply_delete(self._table, self._segment_states, raw, lsn)
+                self._pending.append(encode_delete(lsn, raw))
+                self._counters["deletes"] += 1
+                return True
+        if lease_needed:
+            self._extend_lease()
+        return self.delete(key)
+
+    # -- durability --------------------------------------------------------
+
+    def flush(self) -> None:
+        """Return when every put and delete that returned before this call is durable."""
+        self._check_open()
+        if self.readonly:
+            return
+        with self._commit_lock:
+            self._commit_locked()
+
+    def _commit_locked(self) -> None:
+        """One group commit. Caller holds ``_commit_lock``."""
+        assert self._wal is not None
+        with self._lock:
+            if self._failed is not None:
+                raise WriterFailedError(
+                    f"the writer stopped after an earlier failure ({self._failed}); reopen"
+                )
+            records, self._pending = self._pending, []
+            dirty = [segment for segment in self._segments.values() if segment.dirty]
+            for segment in dirty:
+                segment.dirty = False
+            lsn_mark = self._next_lsn - 1
+        if not records and not dirty:
+            return
+        for segment in dirty:
+            try:
+                os.fdatasync(segment.fd)
+            except OSError as e:
+                raise self._fail(
+                    WriterFailedError(f"fdatasync of segment {segment.path.name} failed", e.errno)
+                ) from e
+        if records:
+            try:
+                self._wal.append(b"".join(records))
+                self._wal.sync()
+            except WriterFailedError as e:
+                raise self._fail(e) from e
+        with self._lock:
+            self._durable_lsn = max(self._durable_lsn, lsn_mark)
+            self._counters["commits"] += 1
+
+    def checkpoint(self) -> None:
+        """Write the overlay to LMDB and drop WAL files it covers."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"store {self.root} was opened read-only")
+        self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        assert self._wal is not None
+        with self._checkpoint_lock:
+            with self._commit_lock:
+                with self._cond:
+                    self._freezing = True
+                    while self._inflight:
+                        self._cond.wait()
+                try:
+                    self._commit_locked()
+                    with self._lock:
+                        frozen = self._table.freeze()
+                        segments = {
+                            segment_id: dataclasses.replace(state)
+                            for segment_id, state in self._segment_states.items()
+                        }
+                        first_lsn = self._take_lsn()
+                        meta = {
+                            META_CHECKPOINT_LSN: first_lsn,
+                            META_LSN_LEASE: self._lease_until,
+                            META_PAGE_COUNT: self._table.page_count,
+                            META_NEXT_SEGMENT: self._next_segment_id,
+                        }
+                    try:
+                        self._wal.rotate(first_lsn)
+                    except KVStoreError as e:
+                        with self._lock:
+                            self._table.active = {**frozen, **self._table.active}
+                            self._table.frozen = None
+                        raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
+                finally:
+                    with self._cond:
+                        self._freezing = False
+                        self._cond.notify_all()
+            self._table.commit_frozen(frozen, segments, [], meta)
+            self._checkpoint_lsn = first_lsn
+            for wal_first, path in list_wal_files(self.root):
+                if wal_first < first_lsn:
+                    path.unlink(missing_ok=True)
+            self._last_checkpoint = time.monotonic()
+            with self._lock:
+                self._counters["checkpoints"] += 1
+
+    def _flush_loop(self) -> None:
+        interval = self.config.flush_interval_ms / 1000.0
+        while not self._stop.wait(interval):
+            try:
+                if self._pending:
+                    self.flush()
+                wal = self._wal
+                if wal is not None and (
+                    wal.size_bytes >= self.config.checkpoint_wal_bytes
+                    or time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s
+                ):
+                    self._checkpoint()
+            except (KVStoreError, OSError):
+                # The failure is recorded in self._failed; callers see it on their next write.
+                if self._failed is not None or self._closed:
+                    return
+
+    # -- reads ---------------------------------------------------------------
+
+    def _entry(self, key: Key) -> tuple[bytes, PageEntry | None]:
+        raw = _key_bytes(key)
+        return raw, self._table.get(raw)
+
+    def _submit_read(self, queue: IOQueue, entry: PageEntry, token: int) -> AlignedBuffer:
+        segment = self._segments.get(entry.segment_id)
+        if segment is None:
+            raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
+        span = entry.span_bytes
+        buffer = self._buffers.acquire(span)
+        queue.read(segment.fd, entry.offset, buffer.view[:span], token)
+        return buffer
+
+    def _verify(self, key: bytes, entry: PageEntry, view: memoryview, result: int) -> memoryview:
+        where = f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
+        if result != entry.span_bytes:
+            if result < 0:
+                raise IOFailure(f"read of {where} failed", -result)
+            raise CorruptionError(f"{where}: short read ({result} of {entry.span_bytes} bytes)")
+        try:
+            header = decode_record_header(view, max_page_bytes=self.config.max_page_bytes)
+        except CorruptionError as e:
+            raise CorruptionError(f"{where}: {e}") from None
+        if (
+            header.key != key
+            or header.segment_id != entry.segment_id
+            or header.offset != entry.offset
+            or header.generation != entry.generation
+            or header.lsn != entry.lsn
+            or header.payload_bytes != entry.payload_bytes
+            or header.payload_checksum != entry.payload_checksum
+        ):
+            raise CorruptionError(
+                f"{where}: the record there is not this page (key {header.key!r}, "
+                f"segment {header.segment_id}, offset {header.offset}, lsn {header.lsn})"
+            )
+        payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
+        if checksum(payload) != entry.payload_checksum:
+            raise CorruptionError(f"{where}: payload checksum mismatch")
+        return payload
+
+    def _read_entries(
+        self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
+    ) -> list[int | None]:
+        """Read and verify pages; ``sink(index, payload_view)`` consumes each one."""
+        self._check_open()
+        results: list[int | None] = [None] * len(wanted)
+        queue = self._engine.queue()
+        buffers: dict[int, AlignedBuffer] = {}
+        error: KVStoreError | None = None
+        try:
+            for index, (_, entry) in enumerate(wanted):
+                if entry is None:
+                    continue
+                buffers[index] = self._submit_read(queue, entry, index)
+            queue.submit()
+            while queue.in_flight:
+                for index, result in queue.wait(queue.in_flight):
+                    key, entry = wanted[index]
+                    assert entry is not None
+                    buffer = buffers.pop(index)
+                    try:
+                        payload = self._verify(key, entry, buffer.view, result)
+                        sink(index, payload)
+                        results[index] = entry.payload_bytes
+                    except KVStoreError as e:
+                        error = error or e
+                    finally:
+                        self._buffers.release(buffer)
+        finally:
+            while queue.in_flight:
+                for index, _ in queue.wait(queue.in_flight):
+                    self._buffers.release(buffers.pop(index))
+        hits = sum(1 for r in results if r is not None)
+        with self._lock:
+            self._counters["gets"] += len(wanted)
+            self._counters["hits"] += hits
+            self._counters["misses"] += len(wanted) - hits
+            self._counters["bytes_read"] += sum(r for r in results if r is not None)
+        if error is not None:
+            raise error
+        return results
+
+    def get(self, key: Key) -> bytes | None:
+        """The verified bytes stored under ``key``, or None when absent."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
+        """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
+        self._check_open()
+        wanted = [self._entry(key) for key in keys]
+        out: list[bytes | None] = [None] * len(wanted)
+
+        def sink(index: int, payload: memoryview) -> None:
+            out[index] = bytes(payload)
+
+        self._read_entries(wanted, sink)
+        return out
+
+    def get_into(self, key: Key, buffer: object) -> int | None:
+        """Read ``key`` into the caller's writable buffer; bytes written, or None."""
+        self._check_open()
+        try:
+            target = memoryview(buffer)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"buffer must support the buffer protocol, not {type(buffer).__name__}"
+            ) from None
+        if target.readonly:
+            raise TypeError("buffer must be writable")
+        if not target.c_contiguous:
+            raise ValueError("buffer must be C-contiguous")
+        target = target.cast("B") if target.format != "B" or target.ndim != 1 else target
+        raw, entry = self._entry(key)
+        if entry is None:
+            with self._lock:
+                self._counters["gets"] += 1
+                self._counters["misses"] += 1
+            return None
+        if entry.payload_bytes > target.nbytes:
+            raise ValueError(
+                f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
+                f"of {entry.payload_bytes} bytes"
+            )
+
+        def sink(_: int, payload: memoryview) -> None:
+            target[: payload.nbytes] = payload
+
+        return self._read_entries([(raw, entry)], sink)[0]
+
+    def __contains__(self, key: object) -> bool:
+        self._check_open()
+        return self._table.get(_key_bytes(key)) is not None
+
+    def __len__(self) -> int:
+        self._check_open()
+        return len(self._table)
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key, as a snapshot taken lazily (keys added meanwhile may or may not show)."""
+        self._check_open()
+        return self._table.keys()
+
+    def info(self, key: Key) -> PageInfo | None:
+        """Where and what a page is, without reading it; None when absent."""
+        self._check_open()
+        raw, entry = self._entry(key)
+        if entry is None:
+            return None
+        return PageInfo(
+            raw,
+            entry.payload_bytes,
+            entry.segment_id,
+            entry.offset,
+            entry.generation,
+            entry.lsn,
+            entry.payload_checksum,
+            _decode_meta(entry.meta),
+        )
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        with self._lock:
+            counters = dict(self._counters)
+            wal_bytes = self._wal.size_bytes if self._wal is not None else 0
+            active = self._active.segment_id if self._active is not None else 0
+            overlay = len(self._table.active) + len(self._table.frozen or {})
+            return StoreStats(
+                path=str(self.root),
+                format_version=FORMAT_VERSION,
+                io_engine=self._engine.name,
+                direct_io=self.direct_io,
+                readonly=self.readonly,
+                pages=len(self._table),
+                segments=len(self._segments),
+                segment_bytes=self.config.segment_bytes,
+                active_segment_id=active,
+                bytes_on_disk=len(self._segments) * self.config.segment_bytes,
+                next_lsn=self._next_lsn,
+                durable_lsn=self._durable_lsn,
+                checkpoint_lsn=self._checkpoint_lsn,
+                wal_files=len(list_wal_files(self.root)),
+                wal_bytes=wal_bytes,
+                overlay_entries=overlay,
+                counters=counters,
+            )
+
+    def segment_states(self) -> dict[int, SegmentState]:
+        """A copy of the per-segment accounting (for tools and tests)."""
+        with self._lock:
+            return {k: dataclasses.replace(v) for k, v in self._segment_states.items()}
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "writer"
+        state = "closed" if self._closed else "open"
+        return f"<KVStore {str(self.root)!r} {mode} {state}>"
+
+
+def _acquire_writer_lock(root: Path) -> int:
+    path = root / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise LockedError(f"store {root} is locked by another writer (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _create_store(root: Path, config: StoreConfig) -> None:
+    """Build a new store under a temporary name, then rename it into place.
+
+    A crash at any point leaves either no store or a whole one (a leftover
+    ``.<name>.creating-*`` directory is ignored and may be removed).
+    """
+    root = root.absolute()
+    if root.exists():
+        if not root.is_dir():
+            raise ValueError(f"{root} exists and is not a directory")
+        if any(root.iterdir()):
+            raise ValueError(f"{root} exists, is not empty, and is not a kvstore")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(mode=0o700)
+    try:
+        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
+            (tmp / name).mkdir(mode=0o700)
+        store_uuid = uuid.uuid4().bytes
+        superblock = Superblock(
+            store_uuid,
+            time.time_ns(),
+            config.segment_bytes,
+            config.max_page_bytes,
+            config.capacity_bytes or 0,
+        )
+        write_file_durably(tmp / SUPERBLOCK_NAME, encode_superblock(superblock))
+        env = IndexEnv(tmp / INDEX_DIR, readonly=False, create=True)
+        try:
+
+            def body(txn: Any) -> None:
+                from kvstore.index.lmdb_env import encode_meta_u64
+
+                for key, value in (
+                    (META_CHECKPOINT_LSN, 1),
+                    (META_LSN_LEASE, 2),
+                    (META_PAGE_COUNT, 0),
+                    (META_NEXT_SEGMENT, 1),
+                ):
+                    txn.put(key, encode_meta_u64(key, value), db=env.meta)
+
+            env.write(body)
+        finally:
+            env.close()
+        WalWriter(tmp, store_uuid, 1, 0).close()
+        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
+            fsync_dir(tmp / name)
+        fsync_dir(tmp)
+        if root.exists():
+            root.rmdir()
+        os.rename(tmp, root)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root.parent)
