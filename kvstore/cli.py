@@ -1,0 +1,295 @@
+"""The ``kvstore`` command line: thin commands, one library call each.
+
+Exit codes (documented in README.md and docs/operations.md):
+    0  success
+    1  a key was not found (``get``)
+    2  usage error (click's own)
+    3  the store is locked by another writer
+    4  corruption was found
+    8  operational error (I/O failure, missing store, bad format version)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from kvstore.errors import CorruptionError, KVStoreError, LockedError
+from kvstore.format.names import SUPERBLOCK_NAME
+from kvstore.store import KVStore
+
+__all__ = ["main"]
+
+EXIT_NOT_FOUND = 1
+EXIT_LOCKED = 3
+EXIT_CORRUPT = 4
+EXIT_OPERATIONAL = 8
+
+F = TypeVar("F", bound=Callable[..., Any])
+console = Console()
+err_console = Console(stderr=True)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn library errors into a one-line message and a documented exit code."""
+    try:
+        yield
+    except LockedError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        sys.exit(EXIT_LOCKED)
+    except CorruptionError as e:
+        err_console.print(f"[red]corruption:[/red] {e}")
+        sys.exit(EXIT_CORRUPT)
+    except KVStoreError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        sys.exit(EXIT_OPERATIONAL)
+
+
+@click.group()
+@click.version_option(package_name="kvstore")
+def main() -> None:
+    """kvstore: a crash-safe store of LLM KV-cache pages on local NVMe."""
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--segment-mib", default=256, show_default=True, help="Segment file size.")
+@click.option("--max-page-mib", default=16, show_default=True, help="Largest page accepted.")
+def init(path: Path, segment_mib: int, max_page_mib: int) -> None:
+    """Create an empty store at PATH."""
+    with _errors():
+        if (path / SUPERBLOCK_NAME).exists():
+            raise click.ClickException(f"{path} already holds a kvstore")
+        with KVStore.open(
+            path, create=True, segment_bytes=segment_mib << 20, max_page_bytes=max_page_mib << 20
+        ) as store:
+            console.print(f"created {store.root} (format {store.stats().format_version})")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def stat(path: Path, as_json: bool) -> None:
+    """Show the state of the store at PATH (opens it read-only)."""
+    with _errors(), KVStore.open(path, readonly=True) as store:
+        stats = store.stats().as_dict()
+        if as_json:
+            click.echo(json.dumps(stats, indent=2, sort_keys=True))
+            return
+        table = Table(title=f"kvstore {path}", show_header=False)
+        for name, value in stats.items():
+            if name == "counters":
+                continue
+            table.add_row(name, _human(name, value))
+        console.print(table)
+
+
+def _human(name: str, value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and name.endswith("bytes"):
+        return f"{value:,} ({value / (1 << 20):,.1f} MiB)"
+    return str(value)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("key")
+@click.argument("source", type=click.File("rb"), default="-")
+@click.option("--meta", help="JSON object stored with the page.")
+def put(path: Path, key: str, source: Any, meta: str | None) -> None:
+    """Store the bytes of SOURCE (a file, or - for stdin) under KEY, durably."""
+    data = source.read()
+    with _errors(), KVStore.open(path) as store:
+        store.put(key, data, meta=json.loads(meta) if meta else None, sync=True)
+        console.print(f"stored {len(data)} bytes under {key!r}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("key")
+@click.option("-o", "--output", type=click.File("wb"), default="-", help="Where to write.")
+def get(path: Path, key: str, output: Any) -> None:
+    """Write the verified bytes stored under KEY to OUTPUT (exit 1 if absent)."""
+    with _errors(), KVStore.open(path, readonly=True) as store:
+        data = store.get(key)
+    if data is None:
+        err_console.print(f"not found: {key!r}")
+        sys.exit(EXIT_NOT_FOUND)
+    output.write(data)
+
+
+# -- demo --------------------------------------------------------------------
+
+_DEMO_SHAPE = (2, 8, 64, 128)  # K/V x heads x block tokens x head dim, fp16 = 256 KiB
+
+
+def _demo_page(layer: int, block: int, version: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(layer * 1_000_003 + block * 7919 + version * 104_729)
+    return rng.standard_normal(_DEMO_SHAPE, dtype=np.float32).astype(np.float16)
+
+
+def _demo_key(layer: int, block: int, prefix: str = "req0") -> str:
+    return f"{prefix}/layer{layer:02d}/block{block:04d}"
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+@main.command()
+@click.option(
+    "--path",
+    type=click.Path(path_type=Path),
+    default=Path("./kvstore-demo"),
+    show_default=True,
+    help="Store directory (recreated on every run).",
+)
+@click.option("--layers", default=16, show_default=True)
+@click.option("--blocks", default=32, show_default=True, help="KV blocks per layer.")
+def demo(path: Path, layers: int, blocks: int) -> None:
+    """Write a small model's KV pages, read them back, survive a SIGKILL."""
+    with _errors():
+        _run_demo(path, layers, blocks)
+
+
+def _run_demo(path: Path, layers: int, blocks: int) -> None:
+    if path.exists():
+        if not (path / SUPERBLOCK_NAME).exists() and any(path.iterdir()):
+            raise click.ClickException(f"{path} exists and is not a kvstore; pick another --path")
+        shutil.rmtree(path)
+    page_bytes = int(np.prod(_DEMO_SHAPE)) * 2
+    total = layers * blocks
+    console.print(
+        f"[bold]kvstore demo[/bold]: {layers} layers x {blocks} blocks, pages of "
+        f"K/V x {_DEMO_SHAPE[1]} heads x {_DEMO_SHAPE[2]} tokens x {_DEMO_SHAPE[3]} dim fp16 "
+        f"= {page_bytes >> 10} KiB, {total * page_bytes >> 20} MiB in all"
+    )
+    pages = {
+        _demo_key(layer, block): _demo_page(layer, block)
+        for layer in range(layers)
+        for block in range(blocks)
+    }
+    with KVStore.open(path, create=True, segment_bytes=64 << 20) as store:
+        stats = store.stats()
+        console.print(
+            f"store at {store.root}: engine {stats.io_engine}, O_DIRECT {stats.direct_io}"
+        )
+        items = list(pages.items())
+        started = time.perf_counter()
+        with _progress() as progress:
+            task = progress.add_task("write (durable)", total=total * page_bytes)
+            for start in range(0, total, 32):
+                batch = items[start : start + 32]
+                store.put_many(batch)
+                store.flush()
+                progress.advance(task, len(batch) * page_bytes)
+        write_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        keys = list(pages)
+        mismatches = 0
+        with _progress() as progress:
+            task = progress.add_task("read + verify", total=total * page_bytes)
+            for start in range(0, total, 64):
+                chunk = keys[start : start + 64]
+                for key, data in zip(chunk, store.get_many(chunk), strict=True):
+                    if data is None or data != pages[key].tobytes():
+                        mismatches += 1
+                progress.advance(task, len(chunk) * page_bytes)
+        read_seconds = time.perf_counter() - started
+    megabytes = total * page_bytes / 1e6
+    console.print(
+        f"wrote {total} pages durably at {megabytes / write_seconds:,.0f} MB/s; "
+        f"read back and verified at {megabytes / read_seconds:,.0f} MB/s; mismatches: {mismatches}"
+    )
+
+    console.print("[bold]crash test[/bold]: a writer process puts pages; we SIGKILL it mid-stream")
+    acked = _kill_a_writer(path, layers, blocks)
+    started = time.perf_counter()
+    with KVStore.open(path) as store:
+        reopen_seconds = time.perf_counter() - started
+        lost = 0
+        for layer, block in acked:
+            data = store.get(_demo_key(layer, block, "req1"))
+            if data is None or data != _demo_page(layer, block, 1).tobytes():
+                lost += 1
+        intact = sum(
+            1
+            for key, data in zip(keys, store.get_many(keys), strict=True)
+            if data is not None and data == pages[key].tobytes()
+        )
+        survivors = len(store)
+    console.print(
+        f"recovered in {reopen_seconds * 1000:.0f} ms: {len(acked)} acknowledged pages from the "
+        f"killed writer, {lost} lost; first request intact: {intact}/{total}; "
+        f"{survivors} pages in the store"
+    )
+    if mismatches or lost or intact != total:
+        raise click.ClickException("the demo found lost or wrong pages")
+    console.print("[green]ok[/green]: every acknowledged page survived, verified byte for byte")
+
+
+def _kill_a_writer(path: Path, layers: int, blocks: int) -> list[tuple[int, int]]:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "demo-writer", str(path), str(layers), str(blocks)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    acked: list[tuple[int, int]] = []
+    deadline = time.monotonic() + 0.8
+    for line in child.stdout:
+        if line.startswith("ack "):
+            layer, block = map(int, line.split()[1:3])
+            acked.append((layer, block))
+        if time.monotonic() >= deadline or len(acked) >= layers * blocks // 2:
+            break
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    return acked
+
+
+@main.command("demo-writer", hidden=True)
+@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("layers", type=int)
+@click.argument("blocks", type=int)
+def demo_writer(path: Path, layers: int, blocks: int) -> None:
+    """Child of ``demo``: sync-puts a second request's pages, printing each ack."""
+    with KVStore.open(path) as store:
+        for layer in range(layers):
+            for block in range(blocks):
+                store.put(_demo_key(layer, block, "req1"), _demo_page(layer, block, 1), sync=True)
+                print(f"ack {layer} {block}", flush=True)
+        time.sleep(60)  # wait to be killed
+
+
+if __name__ == "__main__":
+    main()
