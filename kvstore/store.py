@@ -183,14 +183,17 @@ class KVStore:
         readonly: bool = False,
         capacity_bytes: int | None = None,
         segment_bytes: int = 256 << 20,
-        max_page_bytes: int = 16 << 20,
+        max_page_bytes: int | None = None,
         **options: Any,
     ) -> KVStore:
         """Open (or with ``create=True`` create) the store at ``path``.
 
         ``options`` are the other ``StoreConfig`` fields (flush_interval_ms,
         checkpoint_wal_bytes, io_engine, direct_io, io_depth, ...).
+        ``max_page_bytes`` defaults to 16 MiB, or less if the segment is smaller.
         """
+        if max_page_bytes is None:
+            max_page_bytes = min(16 << 20, segment_bytes - 2 * BLOCK_BYTES)
         try:
             config = StoreConfig(
                 segment_bytes=segment_bytes,
