@@ -576,6 +576,7 @@ class KVStore:
                 )
                 in_flight[token] = _PendingPut(key, entry, buffer, segment, span)
                 queue.write(segment.fd, offset, block[:span], token)
+                queue.submit()  # start this write while the next page is prepared
                 if queue.in_flight >= self.config.io_depth:
                     error = self._complete_puts(queue, in_flight, 1) or error
                     if error is not None:
