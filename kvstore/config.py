@@ -29,6 +29,11 @@ class StoreConfig:
     direct_io: bool | None = None  # None: O_DIRECT where the file system allows it
     io_depth: int = 64
     lsn_lease_step: int = 1 << 20
+    eviction_policy: str = "fifo"  # a name registered in kvstore.space.policies
+    low_watermark_segments: int = 2  # evict when fewer free segments remain
+    gc_reserve_segments: int = 1  # segments only GC may fill (room to relocate)
+    gc_live_ratio: float = 0.5  # compact sealed segments less live than this
+    gc_interval_s: float = 1.0  # background GC period; 0 disables the GC thread
 
     def validate(self) -> None:
         if self.segment_bytes % BLOCK_BYTES or self.segment_bytes < 4 * BLOCK_BYTES:
@@ -43,7 +48,19 @@ class StoreConfig:
                 f"max_page_bytes ({self.max_page_bytes}) must fit in a segment "
                 f"({self.segment_bytes} bytes) with its header"
             )
-        if self.capacity_bytes is not None and self.capacity_bytes < self.segment_bytes:
-            raise ValueError("capacity_bytes must be at least one segment")
+        if self.capacity_bytes is not None:
+            needed = (self.low_watermark_segments + self.gc_reserve_segments + 2) * (
+                self.segment_bytes
+            )
+            if self.capacity_bytes < needed:
+                raise ValueError(
+                    f"capacity_bytes ({self.capacity_bytes}) must hold at least "
+                    f"{needed // self.segment_bytes} segments of {self.segment_bytes} bytes "
+                    "(watermark + GC reserve + 2); use smaller segments"
+                )
+        if not 0.0 <= self.gc_live_ratio <= 1.0:
+            raise ValueError("gc_live_ratio must be between 0 and 1")
+        if self.low_watermark_segments < 1 or self.gc_reserve_segments < 1:
+            raise ValueError("low_watermark_segments and gc_reserve_segments must be >= 1")
         if self.flush_interval_ms <= 0 or self.io_depth < 1 or self.lsn_lease_step < 1:
             raise ValueError("flush_interval_ms, io_depth and lsn_lease_step must be positive")

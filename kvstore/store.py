@@ -30,7 +30,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -42,6 +44,7 @@ from kvstore.errors import (
     IOFailure,
     KVStoreError,
     LockedError,
+    PinError,
     ReadOnlyError,
     StoreFullError,
     StoreNotFoundError,
@@ -72,15 +75,26 @@ from kvstore.format.records import (
     encode_record_header_into,
     encode_superblock,
 )
+from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
+    MoveBody,
     PutBody,
     encode_delete,
     encode_lsn_lease,
+    encode_move,
     encode_put,
+    encode_retain,
+    encode_segment_free,
     encode_segment_open,
 )
 from kvstore.index.lmdb_env import IndexEnv
-from kvstore.index.recovery import Recovered, apply_delete, apply_put, recover_index
+from kvstore.index.recovery import (
+    Recovered,
+    apply_delete,
+    apply_move,
+    apply_put,
+    recover_index,
+)
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -89,11 +103,12 @@ from kvstore.index.table import (
     SegmentState,
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue, make_engine
+from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
 from kvstore.io.files import FILE_MODE, fsync_dir, probe_direct_io, write_file_durably
 from kvstore.log.segments import Segment, create_segment, list_segment_files, open_segment
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.types import Key, Meta, PageInfo, StoreStats
+from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
+from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
 
 __all__ = ["KVStore"]
 
@@ -153,6 +168,31 @@ def _decode_meta(raw: bytes) -> dict[str, Any]:
     if not isinstance(decoded, dict):
         raise CorruptionError("page meta is not a JSON object")
     return decoded
+
+
+@dataclasses.dataclass(slots=True)
+class _GCTally:
+    segments_scanned: int = 0
+    segments_freed: int = 0
+    pages_moved: int = 0
+    bytes_moved: int = 0
+    pages_evicted: int = 0
+    bytes_evicted: int = 0
+    drift_segments: int = 0
+    drift_bytes: int = 0
+
+    def freeze(self, seconds: float) -> GCReport:
+        return GCReport(
+            self.segments_scanned,
+            self.segments_freed,
+            self.pages_moved,
+            self.bytes_moved,
+            self.pages_evicted,
+            self.bytes_evicted,
+            self.drift_segments,
+            self.drift_bytes,
+            seconds,
+        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -269,6 +309,18 @@ class KVStore:
                 readonly=self.readonly,
             )
         self._active: Segment | None = None
+        self._retains: set[bytes] = recovered.retains
+        self._dropped_segments: list[int] = list(recovered.dropped_segments)
+        self._pins: dict[bytes, list[PageEntry]] = {}
+        self._segment_pins: Counter[int] = Counter()
+        self._segment_readers: Counter[int] = Counter()
+        self._policy: EvictionPolicy = make_policy(config.eviction_policy)
+        self._evictions: Counter[str] = Counter()
+        self._gc_lock = threading.Lock()
+        self._last_gc = time.monotonic()
+        capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
+        self._capacity_bytes = capacity
+        self._capacity_segments = capacity // config.segment_bytes if capacity else None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
@@ -287,11 +339,16 @@ class KVStore:
             "deletes": 0,
             "commits": 0,
             "checkpoints": 0,
+            "gc_bytes_copied": 0,
+            "gc_pages_moved": 0,
+            "segments_freed": 0,
+            "wal_bytes_written": 0,
         }
         self._last_checkpoint = time.monotonic()
         self._wal: WalWriter | None = None
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._gc_thread: threading.Thread | None = None
         if self.readonly:
             return
         self._choose_active_segment()
@@ -300,6 +357,9 @@ class KVStore:
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
+        if self.config.gc_interval_s > 0:
+            self._gc_thread = threading.Thread(target=self._gc_loop, name="kvstore-gc", daemon=True)
+            self._gc_thread.start()
 
     def _recover(self) -> Recovered:
         attempts = 3 if self.readonly else 1
@@ -378,6 +438,8 @@ class KVStore:
         try:
             if not self.readonly and hasattr(self, "_stop"):
                 self._stop.set()
+                if self._gc_thread is not None:
+                    self._gc_thread.join()
                 if self._flusher is not None:
                     self._flusher.join()
                 if self._failed is None:
@@ -474,7 +536,16 @@ class KVStore:
         self._active = segment
         return segment
 
-    def _reserve(self, span: int) -> tuple[Segment, int, int]:
+    def _may_roll(self, for_gc: bool) -> bool:
+        """Whether a new segment fits the capacity. Caller holds ``_lock``."""
+        if self._capacity_segments is None:
+            return True
+        limit = self._capacity_segments
+        if not for_gc:
+            limit -= self.config.gc_reserve_segments
+        return len(self._segments) < limit
+
+    def _reserve(self, span: int, *, for_gc: bool = False) -> tuple[Segment, int, int]:
         """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight."""
         while True:
             with self._cond:
@@ -482,20 +553,33 @@ class KVStore:
                 while self._freezing:
                     self._cond.wait()
                     self._check_writable()
-                if self._next_lsn + 2 >= self._lease_until:
-                    needs_lease = True
-                else:
-                    needs_lease = False
+                needs_lease = self._next_lsn + 2 >= self._lease_until
+                needs_room = False
+                if not needs_lease:
                     segment = self._active
                     if segment is None or segment.remaining() < span:
-                        segment = self._roll_segment()
-                    offset = segment.head
-                    segment.head += span
-                    lsn = self._take_lsn()
-                    self._inflight += 1
-                    return segment, offset, lsn
+                        if not self._may_roll(for_gc):
+                            if for_gc:
+                                raise StoreFullError(
+                                    "GC has no free segment to relocate pages into"
+                                )
+                            needs_room = True
+                        else:
+                            segment = self._roll_segment()
+                    if not needs_room:
+                        assert segment is not None
+                        offset = segment.head
+                        segment.head += span
+                        lsn = self._take_lsn()
+                        self._inflight += 1
+                        return segment, offset, lsn
             if needs_lease:
                 self._extend_lease()
+            elif needs_room and not self._make_room():
+                raise StoreFullError(
+                    f"store is full ({self._capacity_bytes} bytes) and nothing can be "
+                    "evicted: every remaining page is pinned or retained"
+                )
 
     def _finish_inflight(self) -> None:
         """Caller holds ``_lock``."""
@@ -639,6 +723,9 @@ class KVStore:
                 if record is None:
                     continue
                 apply_put(self._table, self._segment_states, pending.key, pending.entry)
+                self._policy.on_put(
+                    pending.key, pending.entry.payload_bytes, _decode_meta(pending.entry.meta)
+                )
                 self._pending.append(record)
                 pending.segment.dirty = True
                 self._counters["puts"] += 1
@@ -665,6 +752,8 @@ class KVStore:
                 lsn = self._take_lsn()
                 apply_delete(self._table, self._segment_states, raw, lsn)
                 self._pending.append(encode_delete(lsn, raw))
+                self._retains.discard(raw)
+                self._policy.on_delete(raw)
                 self._counters["deletes"] += 1
                 return True
         if lease_needed:
@@ -705,13 +794,16 @@ class KVStore:
                 ) from e
         if records:
             try:
-                self._wal.append(b"".join(records))
+                joined = b"".join(records)
+                self._wal.append(joined)
                 self._wal.sync()
             except WriterFailedError as e:
                 raise self._fail(e) from e
         with self._lock:
             self._durable_lsn = max(self._durable_lsn, lsn_mark)
             self._counters["commits"] += 1
+            if records:
+                self._counters["wal_bytes_written"] += len(joined)
 
     def checkpoint(self) -> None:
         """Write the overlay to LMDB and drop WAL files it covers."""
@@ -743,6 +835,8 @@ class KVStore:
                             META_PAGE_COUNT: self._table.page_count,
                             META_NEXT_SEGMENT: self._next_segment_id,
                         }
+                        dropped, self._dropped_segments = self._dropped_segments, []
+                        retains = set(self._retains)
                     try:
                         self._wal.rotate(first_lsn)
                     except KVStoreError as e:
@@ -754,7 +848,7 @@ class KVStore:
                     with self._cond:
                         self._freezing = False
                         self._cond.notify_all()
-            self._table.commit_frozen(frozen, segments, [], meta)
+            self._table.commit_frozen(frozen, segments, dropped, meta, retains)
             self._checkpoint_lsn = first_lsn
             for wal_first, path in list_wal_files(self.root):
                 if wal_first < first_lsn:
@@ -823,11 +917,48 @@ class KVStore:
             raise CorruptionError(f"{where}: payload checksum mismatch")
         return payload
 
+    def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
+        """Register reads on the segments holding ``wanted`` so GC cannot free them.
+
+        A lookup that raced a segment free (its page moved or died) is redone.
+        """
+        todo = list(range(len(wanted)))
+        while todo:
+            retry = []
+            with self._lock:
+                for index in todo:
+                    entry = wanted[index][1]
+                    if entry is None:
+                        continue
+                    if entry.segment_id in self._segments:
+                        self._segment_readers[entry.segment_id] += 1
+                    else:
+                        retry.append(index)
+            for index in retry:
+                key = wanted[index][0]
+                wanted[index] = (key, self._table.get(key))
+            todo = retry
+
+    def _unhold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
+        with self._lock:
+            for _, entry in wanted:
+                if entry is not None:
+                    self._segment_readers[entry.segment_id] -= 1
+
     def _read_entries(
         self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
     ) -> list[int | None]:
         """Read and verify pages; ``sink(index, payload_view)`` consumes each one."""
         self._check_open()
+        self._hold(wanted)
+        try:
+            return self._read_held(wanted, sink)
+        finally:
+            self._unhold(wanted)
+
+    def _read_held(
+        self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
+    ) -> list[int | None]:
         results: list[int | None] = [None] * len(wanted)
         queue = self._engine.queue()
         buffers: dict[int, AlignedBuffer] = {}
@@ -857,6 +988,9 @@ class KVStore:
                     self._buffers.release(buffers.pop(index))
         hits = sum(1 for r in results if r is not None)
         with self._lock:
+            for (read_key, _), outcome in zip(wanted, results, strict=True):
+                if outcome is not None:
+                    self._policy.on_read(read_key)
             self._counters["gets"] += len(wanted)
             self._counters["hits"] += hits
             self._counters["misses"] += len(wanted) - hits
@@ -912,6 +1046,471 @@ class KVStore:
 
         return self._read_entries([(raw, entry)], sink)[0]
 
+    # -- pins and retains ------------------------------------------------
+
+    def pin(self, key: Key) -> bool:
+        """Protect the page under ``key`` from being moved, evicted or freed.
+
+        False if the key is absent or deleted. Volatile (this process only);
+        every successful pin needs one ``unpin``.
+        """
+        raw = _key_bytes(key)
+        self._check_open()
+        with self._lock:
+            entry = self._table.get(raw)
+            if entry is None:
+                return False
+            self._pins.setdefault(raw, []).append(entry)
+            self._segment_pins[entry.segment_id] += 1
+            return True
+
+    def unpin(self, key: Key) -> None:
+        """Drop one pin of ``key``; PinError if it is not pinned."""
+        raw = _key_bytes(key)
+        self._check_open()
+        with self._lock:
+            stack = self._pins.get(raw)
+            if not stack:
+                raise PinError(f"unpin of {raw!r}, which is not pinned")
+            entry = stack.pop()
+            if not stack:
+                del self._pins[raw]
+            self._segment_pins[entry.segment_id] -= 1
+            if not self._segment_pins[entry.segment_id]:
+                del self._segment_pins[entry.segment_id]
+
+    @contextmanager
+    def pinned(self, keys: Iterable[Key]) -> Iterator[list[bool]]:
+        """Pin a batch for the ``with`` block; yields which keys were pinned."""
+        raws = [_key_bytes(key) for key in keys]
+        results = [self.pin(raw) for raw in raws]
+        try:
+            yield results
+        finally:
+            for raw, ok in zip(raws, results, strict=True):
+                if ok and not self._closed:
+                    self.unpin(raw)
+
+    def pin_count(self, key: Key) -> int:
+        """How many pins ``key`` holds in this process."""
+        raw = _key_bytes(key)
+        with self._lock:
+            return len(self._pins.get(raw, ()))
+
+    def retain(self, key: Key) -> bool:
+        """Persistently protect ``key`` from eviction (survives restart); False if absent.
+
+        Logged in the WAL: durable at the next group commit, like a plain put.
+        """
+        return self._set_retain(key, True)
+
+    def release(self, key: Key) -> bool:
+        """Undo ``retain``; False if the key was not retained."""
+        return self._set_retain(key, False)
+
+    def _set_retain(self, key: Key, retained: bool) -> bool:
+        raw = _key_bytes(key)
+        while True:
+            with self._cond:
+                self._check_writable()
+                while self._freezing:
+                    self._cond.wait()
+                    self._check_writable()
+                if retained and self._table.get(raw) is None:
+                    return False
+                if (raw in self._retains) == retained:
+                    return retained
+                if self._next_lsn + 2 < self._lease_until:
+                    lsn = self._take_lsn()
+                    self._pending.append(encode_retain(lsn, raw, retained))
+                    if retained:
+                        self._retains.add(raw)
+                    else:
+                        self._retains.discard(raw)
+                    return True
+            self._extend_lease()
+
+    def is_retained(self, key: Key) -> bool:
+        return _key_bytes(key) in self._retains
+
+    # -- GC, compaction, eviction -------------------------------------------
+
+    def gc(self, *, full: bool = False) -> GCReport:
+        """One GC pass: free empty segments, compact sparse ones, evict if over the
+        low watermark; with ``full=True`` also a mark-and-sweep that recomputes live
+        bytes per segment from the page table and fixes any drift it finds."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"store {self.root} was opened read-only")
+        started = time.monotonic()
+        report = _GCTally()
+        with self._gc_lock:
+            if full:
+                self._mark_and_sweep(report)
+            self._free_empty_segments(report)
+            self._compact_sparse(report)
+            if self._capacity_segments is not None:
+                self._evict_until_watermark(report)
+        self._last_gc = time.monotonic()
+        return report.freeze(time.monotonic() - started)
+
+    def _gc_loop(self) -> None:
+        while not self._stop.wait(self.config.gc_interval_s):
+            try:
+                with self._gc_lock:
+                    tally = _GCTally()
+                    self._free_empty_segments(tally)
+                    self._compact_sparse(tally)
+                    if self._capacity_segments is not None:
+                        self._evict_until_watermark(tally)
+            except (KVStoreError, OSError):
+                if self._failed is not None or self._closed:
+                    return
+
+    def _free_segment_count(self) -> int:
+        assert self._capacity_segments is not None
+        return self._capacity_segments - len(self._segments)
+
+    def _make_room(self) -> bool:
+        """Called by a writer that found no room: evict until a segment is free."""
+        with self._gc_lock:
+            with self._lock:
+                if self._may_roll(False):
+                    return True
+            tally = _GCTally()
+            self._free_empty_segments(tally)
+            self._evict_until_watermark(tally)
+            with self._lock:
+                return self._may_roll(False)
+
+    def _sealed_ids(self) -> list[int]:
+        with self._lock:
+            active = self._active.segment_id if self._active is not None else None
+            return [
+                segment_id
+                for segment_id, state in self._segment_states.items()
+                if segment_id != active and state.state == SEGMENT_SEALED
+            ]
+
+    def _free_empty_segments(self, tally: _GCTally) -> None:
+        for segment_id in self._sealed_ids():
+            with self._lock:
+                state = self._segment_states.get(segment_id)
+                empty = state is not None and state.live_pages == 0
+            if empty:
+                self._free_segment(segment_id, tally)
+
+    def _free_segment(self, segment_id: int, tally: _GCTally) -> bool:
+        """Free a sealed segment with no live, pinned or in-read page: WAL first, then unlink."""
+        with self._lock:
+            state = self._segment_states.get(segment_id)
+            if (
+                state is None
+                or state.live_pages != 0
+                or self._segment_pins.get(segment_id)
+                or self._segment_readers.get(segment_id)
+                or (self._active is not None and self._active.segment_id == segment_id)
+            ):
+                return False
+            segment = self._segments.pop(segment_id)
+            del self._segment_states[segment_id]
+            self._dropped_segments.append(segment_id)
+            self._pending.append(
+                encode_segment_free(self._take_lsn(), segment_id, state.generation)
+            )
+        self.flush()  # the free is durable before the file goes
+        segment.close()
+        segment.path.unlink(missing_ok=True)
+        with self._lock:
+            self._counters["segments_freed"] += 1
+        tally.segments_freed += 1
+        return True
+
+    def _compact_sparse(self, tally: _GCTally) -> None:
+        threshold = self.config.gc_live_ratio * self.config.segment_bytes
+        with self._lock:
+            sparse = sorted(
+                (state.live_bytes, segment_id)
+                for segment_id, state in self._segment_states.items()
+                if state.state == SEGMENT_SEALED
+                and (self._active is None or segment_id != self._active.segment_id)
+                and state.live_bytes < threshold
+                and not self._segment_pins.get(segment_id)
+            )
+        for _, segment_id in sparse:
+            if self._capacity_segments is not None:
+                with self._lock:
+                    if not self._may_roll(True) and (
+                        self._active is None
+                        or self._active.remaining() < self._segment_states[segment_id].live_bytes
+                    ):
+                        return  # no room to copy into; eviction must run first
+            if self._empty_segment(segment_id, tally, evict=lambda key: False):
+                self._free_segment(segment_id, tally)
+
+    def _evict_until_watermark(self, tally: _GCTally) -> None:
+        watermark = self.config.low_watermark_segments + self.config.gc_reserve_segments
+        while True:
+            with self._lock:
+                if self._free_segment_count() >= watermark:
+                    return
+            before = tally.segments_freed
+            if self._policy.page_granular:
+                self._evict_pages(tally)
+            else:
+                self._evict_one_segment(tally)
+            if tally.segments_freed == before:
+                return  # nothing could be freed: pinned or retained everywhere
+
+    def _segment_views(self) -> list[SegmentView]:
+        sealed = set(self._sealed_ids())
+        with self._lock:
+            return [
+                SegmentView(
+                    segment_id,
+                    state.live_bytes,
+                    state.live_pages,
+                    state.created_unix_ns,
+                    bool(self._segment_pins.get(segment_id)),
+                )
+                for segment_id, state in self._segment_states.items()
+                if segment_id in sealed
+            ]
+
+    def _evict_one_segment(self, tally: _GCTally) -> None:
+        tried: set[int] = set()
+        while True:
+            views = [view for view in self._segment_views() if view.segment_id not in tried]
+            victim = self._policy.choose_segment(views)
+            if victim is None:
+                return
+            tried.add(victim)
+
+            def evict(key: bytes) -> bool:
+                return key not in self._retains and not self._policy.keep(key)
+
+            if self._empty_segment(victim, tally, evict=evict) and self._free_segment(
+                victim, tally
+            ):
+                return
+
+    def _evict_pages(self, tally: _GCTally) -> None:
+        with self._lock:
+            protected = set(self._pins) | self._retains
+        candidates = [key for key in self._table.keys() if key not in protected]  # noqa: SIM118
+        per_segment = max(1, len(candidates) // max(1, len(self._segments)))
+        for key in self._policy.victims(candidates, per_segment):
+            entry = self._table.get(key)
+            if entry is not None:
+                self._evict_entry(key, entry, tally)
+        self._free_empty_segments(tally)
+        if tally.segments_freed:
+            return
+        # Evictions left holes: compact the sparsest sealed segment.
+        views = sorted(self._segment_views(), key=lambda view: view.live_bytes)
+        for view in views:
+            if view.has_pins:
+                continue
+            if self._empty_segment(view.segment_id, tally, evict=lambda key: False):
+                self._free_segment(view.segment_id, tally)
+                return
+
+    def _evict_entry(self, key: bytes, entry: PageEntry, tally: _GCTally) -> bool:
+        """Evict a page if it is still ``entry`` and unprotected; logged like a delete."""
+        while True:
+            with self._cond:
+                self._check_writable()
+                while self._freezing:
+                    self._cond.wait()
+                    self._check_writable()
+                if self._table.get(key) != entry or key in self._pins or key in self._retains:
+                    return False
+                if self._next_lsn + 2 < self._lease_until:
+                    lsn = self._take_lsn()
+                    apply_delete(self._table, self._segment_states, key, lsn)
+                    self._pending.append(encode_delete(lsn, key))
+                    self._policy.on_delete(key)
+                    self._evictions[self._policy.name] += 1
+                    tally.pages_evicted += 1
+                    tally.bytes_evicted += entry.payload_bytes
+                    return True
+            self._extend_lease()
+
+    def _scan_segment(self, segment_id: int) -> Iterator[tuple[int, _RecordHeader, memoryview]]:
+        """Every well-formed record of a sealed segment, read in large chunks."""
+        with self._lock:
+            segment = self._segments.get(segment_id)
+            state = self._segment_states.get(segment_id)
+            if segment is None or state is None:
+                return
+            self._segment_readers[segment_id] += 1
+            end = state.head_bytes
+        try:
+            chunk_bytes = max(8 << 20, record_span(self.config.max_page_bytes))
+            queue = self._engine.queue()
+            offset = BLOCK_BYTES
+            buffer = self._buffers.acquire(chunk_bytes)
+            try:
+                while offset < end:
+                    length = min(chunk_bytes, end - offset)
+                    result = run_all(queue, [("r", segment.fd, offset, buffer.view[:length])])[0]
+                    if result != length:
+                        raise IOFailure(f"GC read of segment {segment_id} returned {result}")
+                    position = 0
+                    while position < length:
+                        block = buffer.view[position : position + BLOCK_BYTES]
+                        try:
+                            header = decode_record_header(
+                                block, max_page_bytes=self.config.max_page_bytes
+                            )
+                        except KVStoreError:
+                            position += BLOCK_BYTES  # a hole left by a write that never landed
+                            continue
+                        span = record_span(header.payload_bytes)
+                        if (
+                            header.segment_id != segment_id
+                            or header.generation != segment.generation
+                            or header.offset != offset + position
+                        ):
+                            position += BLOCK_BYTES
+                            continue
+                        if position + span > length:
+                            break
+                        yield offset + position, header, buffer.view[position : position + span]
+                        position += span
+                    if position == 0:
+                        raise CorruptionError(f"segment {segment_id}: record larger than a chunk")
+                    offset += position
+            finally:
+                self._buffers.release(buffer)
+        finally:
+            with self._lock:
+                self._segment_readers[segment_id] -= 1
+
+    def _empty_segment(
+        self, segment_id: int, tally: _GCTally, *, evict: Callable[[bytes], bool]
+    ) -> bool:
+        """Move (or evict, where ``evict(key)``) every live page out of a segment.
+
+        Returns False if a page could not leave (pinned, or corrupt).
+        """
+        tally.segments_scanned += 1
+        complete = True
+        for offset, header, record in self._scan_segment(segment_id):
+            entry = self._table.get(header.key)
+            if (
+                entry is None
+                or entry.segment_id != segment_id
+                or entry.offset != offset
+                or entry.lsn != header.lsn
+            ):
+                continue  # dead: overwritten, deleted or evicted
+            with self._lock:
+                if self._segment_pins.get(segment_id):
+                    return False
+            if evict(header.key):
+                if not self._evict_entry(header.key, entry, tally):
+                    complete = complete and self._table.get(header.key) != entry
+                continue
+            try:
+                self._verify(header.key, entry, record, entry.span_bytes)
+            except CorruptionError:
+                complete = False  # leave it for fsck; never copy bad bytes forward
+                continue
+            self._move(header.key, entry, record, tally)
+        return complete
+
+    def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: _GCTally) -> None:
+        """Copy a verified record to the active segment; publish only if unchanged."""
+        span = entry.span_bytes
+        segment, offset, _ = self._reserve(span, for_gc=True)
+        buffer = self._buffers.acquire(span)
+        try:
+            buffer.view[:span] = record
+            encode_record_header_into(
+                buffer.view,
+                RecordHeader(
+                    RECORD_PAGE,
+                    key,
+                    entry.meta,
+                    entry.payload_bytes,
+                    entry.lsn,
+                    segment.segment_id,
+                    offset,
+                    segment.generation,
+                    entry.payload_checksum,
+                ),
+            )
+            result = run_all(self._engine.queue(), [("w", segment.fd, offset, buffer.view[:span])])
+        finally:
+            self._buffers.release(buffer)
+        moved = dataclasses.replace(
+            entry, segment_id=segment.segment_id, offset=offset, generation=segment.generation
+        )
+        with self._lock:
+            self._finish_inflight()
+            if result[0] != span:
+                error = WriterFailedError(f"GC write to segment {segment.segment_id} failed")
+                if self._failed is None:
+                    self._failed = error
+                raise error
+            segment.dirty = True
+            self._counters["segment_bytes_written"] += span
+            self._counters["gc_bytes_copied"] += span
+            if self._table.get(key) != entry:
+                return  # overwritten or deleted meanwhile: the copy is garbage
+            old = (entry.segment_id, entry.generation, entry.offset)
+            apply_move(self._table, self._segment_states, key, moved, old)
+            self._pending.append(
+                encode_move(
+                    entry.lsn,
+                    MoveBody(
+                        PutBody(
+                            key,
+                            moved.segment_id,
+                            moved.generation,
+                            moved.offset,
+                            moved.payload_bytes,
+                            moved.payload_checksum,
+                            moved.meta,
+                        ),
+                        entry.segment_id,
+                        entry.generation,
+                        entry.offset,
+                    ),
+                )
+            )
+            self._counters["gc_pages_moved"] += 1
+        tally.pages_moved += 1
+        tally.bytes_moved += span
+
+    def _mark_and_sweep(self, tally: _GCTally) -> None:
+        """Recompute live bytes per segment from the page table; fix and count drift."""
+        with self._cond:
+            self._freezing = True  # hold writers still so the sweep sees one state
+            while self._inflight:
+                self._cond.wait()
+        try:
+            live: Counter[int] = Counter()
+            pages: Counter[int] = Counter()
+            for _, entry in self._table.items():
+                live[entry.segment_id] += entry.span_bytes
+                pages[entry.segment_id] += 1
+            with self._lock:
+                for segment_id, state in self._segment_states.items():
+                    if (
+                        state.live_bytes != live[segment_id]
+                        or state.live_pages != pages[segment_id]
+                    ):
+                        tally.drift_segments += 1
+                        tally.drift_bytes += abs(state.live_bytes - live[segment_id])
+                        state.live_bytes = live[segment_id]
+                        state.live_pages = pages[segment_id]
+        finally:
+            with self._cond:
+                self._freezing = False
+                self._cond.notify_all()
+
     def __contains__(self, key: object) -> bool:
         self._check_open()
         return self._table.get(_key_bytes(key)) is not None
@@ -949,6 +1548,12 @@ class KVStore:
             wal_bytes = self._wal.size_bytes if self._wal is not None else 0
             active = self._active.segment_id if self._active is not None else 0
             overlay = len(self._table.active) + len(self._table.frozen or {})
+            live = sum(state.live_bytes for state in self._segment_states.values())
+            used = sum(state.head_bytes for state in self._segment_states.values())
+            by_state = {"active": 0, "sealed": 0}
+            for state in self._segment_states.values():
+                by_state["active" if state.state == SEGMENT_ACTIVE else "sealed"] += 1
+            host = counters["host_bytes_written"]
             return StoreStats(
                 path=str(self.root),
                 format_version=FORMAT_VERSION,
@@ -967,6 +1572,23 @@ class KVStore:
                 wal_bytes=wal_bytes,
                 overlay_entries=overlay,
                 counters=counters,
+                capacity_bytes=self._capacity_bytes,
+                live_bytes=live,
+                garbage_bytes=used - live,
+                free_bytes=None
+                if self._capacity_bytes is None
+                else self._capacity_bytes - len(self._segments) * self.config.segment_bytes,
+                segments_by_state=by_state,
+                pinned_pages=sum(len(stack) for stack in self._pins.values()),
+                retained_pages=len(self._retains),
+                eviction_policy=self._policy.name,
+                evictions=dict(self._evictions),
+                gc_bytes_copied=counters["gc_bytes_copied"],
+                write_amplification=(
+                    (counters["segment_bytes_written"] + counters["wal_bytes_written"]) / host
+                    if host
+                    else 0.0
+                ),
             )
 
     def segment_states(self) -> dict[int, SegmentState]:

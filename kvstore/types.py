@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-__all__ = ["Key", "Meta", "MetaValue", "PageInfo", "StoreStats"]
+__all__ = ["GCReport", "Key", "Meta", "MetaValue", "PageInfo", "StoreStats"]
 
 Key: TypeAlias = bytes | str
 MetaValue: TypeAlias = str | int | float | bool | list["MetaValue"] | dict[str, "MetaValue"] | None
@@ -52,7 +52,33 @@ class StoreStats:
     wal_bytes: int
     overlay_entries: int
     counters: Mapping[str, int] = field(default_factory=dict)
+    capacity_bytes: int | None = None
+    live_bytes: int = 0
+    garbage_bytes: int = 0
+    free_bytes: int | None = None
+    segments_by_state: Mapping[str, int] = field(default_factory=dict)
+    pinned_pages: int = 0
+    retained_pages: int = 0
+    eviction_policy: str = "fifo"
+    evictions: Mapping[str, int] = field(default_factory=dict)
+    gc_bytes_copied: int = 0
+    write_amplification: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, slots=True)
+class GCReport:
+    """What one ``KVStore.gc`` pass did."""
+
+    segments_scanned: int = 0
+    segments_freed: int = 0
+    pages_moved: int = 0
+    bytes_moved: int = 0
+    pages_evicted: int = 0
+    bytes_evicted: int = 0
+    drift_segments: int = 0  # segments whose running accounting was wrong (and fixed)
+    drift_bytes: int = 0
+    seconds: float = 0.0

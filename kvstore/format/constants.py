@@ -30,10 +30,10 @@ RECORD_TOMBSTONE = 2  # reserved for index rebuild from segments
 WAL_PUT = 1
 WAL_DELETE = 2
 WAL_SEGMENT_OPEN = 3
-WAL_SEGMENT_FREE = 4  # reserved for GC (issue: pins/GC)
-WAL_MOVE = 5  # reserved for compaction
-WAL_RETAIN = 6  # reserved for persistent retains
-WAL_RELEASE = 7  # reserved for persistent retains
+WAL_SEGMENT_FREE = 4
+WAL_MOVE = 5
+WAL_RETAIN = 6
+WAL_RELEASE = 7
 
 
 def align_up(size: int, alignment: int = BLOCK_BYTES) -> int:

@@ -25,8 +25,12 @@ from kvstore.format.constants import (
     WAL_DELETE,
     WAL_FILE_MAGIC,
     WAL_LSN_LEASE,
+    WAL_MOVE,
     WAL_PUT,
     WAL_RECORD_MAGIC,
+    WAL_RELEASE,
+    WAL_RETAIN,
+    WAL_SEGMENT_FREE,
     WAL_SEGMENT_OPEN,
 )
 
@@ -34,7 +38,10 @@ __all__ = [
     "WAL_FILE_HEADER_BYTES",
     "DeleteBody",
     "LsnLeaseBody",
+    "MoveBody",
     "PutBody",
+    "RetainBody",
+    "SegmentFreeBody",
     "SegmentOpenBody",
     "WalFileHeader",
     "WalRecord",
@@ -43,7 +50,10 @@ __all__ = [
     "decode_wal_file_header",
     "encode_delete",
     "encode_lsn_lease",
+    "encode_move",
     "encode_put",
+    "encode_retain",
+    "encode_segment_free",
     "encode_segment_open",
     "encode_wal_file_header",
     "encode_wal_record",
@@ -55,11 +65,13 @@ _FILE_HEADER = struct.Struct("<8sHHI16sQQQQ")
 WAL_FILE_HEADER_BYTES = _FILE_HEADER.size  # 64
 _RECORD_HEADER = struct.Struct("<IIBxxxQ")  # magic, body_len, type, lsn
 RECORD_OVERHEAD = _RECORD_HEADER.size + 8
-MAX_BODY_BYTES = 64 + MAX_KEY_BYTES + MAX_META_BYTES
+MAX_BODY_BYTES = 96 + MAX_KEY_BYTES + MAX_META_BYTES
 _PUT = struct.Struct("<QQQQQHH")  # segment, generation, offset, payload_len, checksum, klen, mlen
 _DELETE = struct.Struct("<H")
 _SEGMENT_OPEN = struct.Struct("<QQ")
 _LEASE = struct.Struct("<Q")
+_MOVE_FROM = struct.Struct("<QQQ")  # old segment, old generation, old offset
+_KEY = struct.Struct("<H")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +139,32 @@ class LsnLeaseBody:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveBody:
+    """Compaction moved ``put.key`` from (old_segment_id, old_offset); same LSN.
+
+    Applies only if the page is still at the old location with that LSN, so a
+    concurrent overwrite or delete wins.
+    """
+
+    put: PutBody
+    old_segment_id: int
+    old_generation: int
+    old_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFreeBody:
+    segment_id: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class RetainBody:
+    key: bytes
+    retained: bool  # True: RETAIN, False: RELEASE
+
+
+@dataclass(frozen=True, slots=True)
 class WalRecord:
     record_type: int
     lsn: int
@@ -165,7 +203,34 @@ def encode_lsn_lease(lsn: int, lease_until: int) -> bytes:
     return encode_wal_record(WAL_LSN_LEASE, lsn, _LEASE.pack(lease_until))
 
 
-WalBody = PutBody | DeleteBody | SegmentOpenBody | LsnLeaseBody
+def encode_move(lsn: int, body: MoveBody) -> bytes:
+    put = encode_put(lsn, body.put)
+    # Re-frame the PUT body with the old location appended, as a MOVE record.
+    put_body = put[_RECORD_HEADER.size : -8]
+    old = _MOVE_FROM.pack(body.old_segment_id, body.old_generation, body.old_offset)
+    return encode_wal_record(WAL_MOVE, lsn, put_body + old)
+
+
+def encode_segment_free(lsn: int, segment_id: int, generation: int) -> bytes:
+    return encode_wal_record(WAL_SEGMENT_FREE, lsn, _SEGMENT_OPEN.pack(segment_id, generation))
+
+
+def encode_retain(lsn: int, key: bytes, retained: bool) -> bytes:
+    record_type = WAL_RETAIN if retained else WAL_RELEASE
+    return encode_wal_record(record_type, lsn, _KEY.pack(len(key)) + key)
+
+
+WalBody = (
+    PutBody | DeleteBody | SegmentOpenBody | LsnLeaseBody | MoveBody | SegmentFreeBody | RetainBody
+)
+
+
+def _decode_put(body: bytes, lsn: int, what: str) -> PutBody:
+    seg, gen, off, plen, csum, klen, mlen = _PUT.unpack_from(body, 0)
+    start = _PUT.size
+    if len(body) != start + klen + mlen or not 0 < klen <= MAX_KEY_BYTES:
+        raise CorruptionError(f"WAL {what} at lsn {lsn}: bad lengths")
+    return PutBody(body[start : start + klen], seg, gen, off, plen, csum, body[start + klen :])
 
 
 def decode_body(record: WalRecord) -> WalBody:
@@ -173,18 +238,27 @@ def decode_body(record: WalRecord) -> WalBody:
     body = record.body
     try:
         if record.record_type == WAL_PUT:
-            seg, gen, off, plen, csum, klen, mlen = _PUT.unpack_from(body, 0)
-            start = _PUT.size
-            if len(body) != start + klen + mlen or not 0 < klen <= MAX_KEY_BYTES:
-                raise CorruptionError(f"WAL PUT at lsn {record.lsn}: bad lengths")
-            key = body[start : start + klen]
-            meta = body[start + klen :]
-            return PutBody(key, seg, gen, off, plen, csum, meta)
-        if record.record_type == WAL_DELETE:
-            (klen,) = _DELETE.unpack_from(body, 0)
-            if len(body) != _DELETE.size + klen or not 0 < klen <= MAX_KEY_BYTES:
-                raise CorruptionError(f"WAL DELETE at lsn {record.lsn}: bad lengths")
-            return DeleteBody(body[_DELETE.size :])
+            return _decode_put(body, record.lsn, "PUT")
+        if record.record_type == WAL_MOVE:
+            if len(body) < _MOVE_FROM.size:
+                raise CorruptionError(f"WAL MOVE at lsn {record.lsn}: too short")
+            split = len(body) - _MOVE_FROM.size
+            put = _decode_put(body[:split], record.lsn, "MOVE")
+            old_seg, old_gen, old_off = _MOVE_FROM.unpack_from(body, split)
+            return MoveBody(put, old_seg, old_gen, old_off)
+        if record.record_type in (WAL_DELETE, WAL_RETAIN, WAL_RELEASE):
+            (klen,) = _KEY.unpack_from(body, 0)
+            if len(body) != _KEY.size + klen or not 0 < klen <= MAX_KEY_BYTES:
+                raise CorruptionError(f"WAL record at lsn {record.lsn}: bad key length")
+            key = body[_KEY.size :]
+            if record.record_type == WAL_DELETE:
+                return DeleteBody(key)
+            return RetainBody(key, record.record_type == WAL_RETAIN)
+        if record.record_type == WAL_SEGMENT_FREE:
+            if len(body) != _SEGMENT_OPEN.size:
+                raise CorruptionError(f"WAL SEGMENT_FREE at lsn {record.lsn}: bad length")
+            seg, gen = _SEGMENT_OPEN.unpack(body)
+            return SegmentFreeBody(seg, gen)
         if record.record_type == WAL_SEGMENT_OPEN:
             if len(body) != _SEGMENT_OPEN.size:
                 raise CorruptionError(f"WAL SEGMENT_OPEN at lsn {record.lsn}: bad length")

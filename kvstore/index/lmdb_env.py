@@ -1,4 +1,4 @@
-"""The LMDB environment: ``pages``, ``segments`` and ``meta`` databases.
+"""The LMDB environment: ``pages``, ``segments``, ``meta`` and ``retains`` databases.
 
 One Environment per process and never across fork (LMDB's rule). The map is
 grown on MapFullError and the transaction retried. LMDB syncs its own files
@@ -48,7 +48,7 @@ class IndexEnv:
             self.env = lmdb.open(
                 str(path),
                 map_size=INITIAL_MAP_BYTES,
-                max_dbs=4,
+                max_dbs=8,
                 subdir=True,
                 readonly=readonly,
                 create=create,
@@ -67,6 +67,7 @@ class IndexEnv:
             self.pages = self.env.open_db(b"pages", create=not readonly)
             self.segments = self.env.open_db(b"segments", create=not readonly)
             self.meta = self.env.open_db(b"meta", create=not readonly)
+            self.retains = self.env.open_db(b"retains", create=not readonly)
         except lmdb.Error as e:
             raise CorruptionError(f"LMDB index at {path} lacks its databases: {e}") from e
 

@@ -16,7 +16,10 @@ from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
 from kvstore.format.wal import (
     DeleteBody,
     LsnLeaseBody,
+    MoveBody,
     PutBody,
+    RetainBody,
+    SegmentFreeBody,
     SegmentOpenBody,
     decode_body,
 )
@@ -27,11 +30,12 @@ from kvstore.index.table import (
     META_NEXT_SEGMENT,
     PageTable,
     SegmentState,
+    load_retains,
     load_segments,
 )
 from kvstore.log.wal import WalFile, read_wal_chain
 
-__all__ = ["Recovered", "apply_delete", "apply_put", "recover_index"]
+__all__ = ["Recovered", "apply_delete", "apply_move", "apply_put", "recover_index"]
 
 
 @dataclass(slots=True)
@@ -45,6 +49,8 @@ class Recovered:
     wal_files: list[WalFile]
     replayed_records: int = 0
     notes: list[str] = field(default_factory=list)
+    retains: set[bytes] = field(default_factory=set)
+    dropped_segments: list[int] = field(default_factory=list)
 
 
 def apply_put(
@@ -78,6 +84,30 @@ def apply_delete(
     return old
 
 
+def apply_move(
+    table: PageTable,
+    segments: dict[int, SegmentState],
+    key: bytes,
+    entry: PageEntry,
+    old_location: tuple[int, int, int],
+) -> bool:
+    """Apply a compaction MOVE only if the page is still where GC found it."""
+    segment = segments.get(entry.segment_id)
+    if segment is None or segment.generation != entry.generation:
+        raise CorruptionError(
+            f"move of {key!r} names segment {entry.segment_id}, which the index does not have"
+        )
+    segment.head_bytes = max(segment.head_bytes, entry.offset + entry.span_bytes)
+    current = table.get(key)
+    if (
+        current is None
+        or (current.segment_id, current.generation, current.offset) != old_location
+        or current.lsn != entry.lsn
+    ):
+        return False
+    return apply_put(table, segments, key, entry)
+
+
 def _unaccount(segments: dict[int, SegmentState], old: PageEntry) -> None:
     previous = segments.get(old.segment_id)
     if previous is not None:
@@ -95,6 +125,7 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
         raise CorruptionError("index has no checkpoint_lsn; run `kvstore recover PATH`")
     table = PageTable(env)
     segments = load_segments(env)
+    retains = load_retains(env)
     if segments:
         next_segment_id = max(next_segment_id, max(segments) + 1)
     chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
@@ -120,8 +151,32 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
                     body.meta,
                 )
                 apply_put(table, segments, body.key, entry)
+            elif isinstance(body, MoveBody):
+                put = body.put
+                entry = PageEntry(
+                    put.segment_id,
+                    put.generation,
+                    put.offset,
+                    put.payload_bytes,
+                    put.payload_checksum,
+                    record.lsn,
+                    put.meta,
+                )
+                old = (body.old_segment_id, body.old_generation, body.old_offset)
+                apply_move(table, segments, put.key, entry, old)
             elif isinstance(body, DeleteBody):
                 apply_delete(table, segments, body.key, record.lsn)
+                retains.discard(body.key)
+            elif isinstance(body, RetainBody):
+                if body.retained:
+                    retains.add(body.key)
+                else:
+                    retains.discard(body.key)
+            elif isinstance(body, SegmentFreeBody):
+                state = segments.get(body.segment_id)
+                if state is not None and state.generation == body.generation:
+                    del segments[body.segment_id]
+                    recovered.dropped_segments.append(body.segment_id)
             elif isinstance(body, SegmentOpenBody):
                 if body.segment_id not in segments:
                     segments[body.segment_id] = SegmentState(

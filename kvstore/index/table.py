@@ -173,8 +173,9 @@ class PageTable:
         segments: dict[int, SegmentState],
         dropped_segments: list[int],
         meta: dict[bytes, int],
+        retains: set[bytes] | None = None,
     ) -> None:
-        """Write the frozen overlay, segment states and meta in one LMDB transaction."""
+        """Write the frozen overlay, segment states, meta and retains in one transaction."""
 
         def body(txn: Any) -> None:
             for key, slot in frozen.items():
@@ -192,6 +193,10 @@ class PageTable:
                 txn.delete(segment_key(segment_id), db=self.env.segments)
             for key, value in meta.items():
                 txn.put(key, encode_meta_u64(key, value), db=self.env.meta)
+            if retains is not None:
+                txn.drop(self.env.retains, delete=False)
+                for key in retains:
+                    txn.put(key, encode_meta_u64(key, 1), db=self.env.retains)
 
         self.env.write(body)
         self.frozen = None
@@ -210,4 +215,17 @@ def load_segments(env: IndexEnv) -> dict[int, SegmentState]:
 
                 raise CorruptionError(f"segment table has a malformed key {raw_key!r}")
             found[segment_id] = SegmentState.from_entry(decode_segment_entry(segment_id, raw_value))
+    return found
+
+
+def load_retains(env: IndexEnv) -> set[bytes]:
+    """Every persistently retained key, verified."""
+    from kvstore.index.lmdb_env import decode_meta_u64
+
+    found: set[bytes] = set()
+    with env.read() as txn:
+        for raw_key, raw_value in txn.cursor(db=env.retains):
+            key = bytes(raw_key)
+            decode_meta_u64(key, raw_value)
+            found.add(key)
     return found
