@@ -943,7 +943,13 @@ class KVStore:
         with self._lock:
             for _, entry in wanted:
                 if entry is not None:
-                    self._segment_readers[entry.segment_id] -= 1
+                    self._release_reader(entry.segment_id)
+
+    def _release_reader(self, segment_id: int) -> None:
+        """Caller holds ``_lock``."""
+        self._segment_readers[segment_id] -= 1
+        if not self._segment_readers[segment_id]:
+            del self._segment_readers[segment_id]
 
     def _read_entries(
         self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
@@ -1227,6 +1233,10 @@ class KVStore:
         return True
 
     def _compact_sparse(self, tally: _GCTally) -> None:
+        if self._capacity_segments is not None and not self._policy.page_granular:
+            # Segment-granular eviction reclaims the oldest segments whole; copying
+            # sparse ones forward first would only add write amplification.
+            return
         threshold = self.config.gc_live_ratio * self.config.segment_bytes
         with self._lock:
             sparse = sorted(
@@ -1298,13 +1308,14 @@ class KVStore:
         with self._lock:
             protected = set(self._pins) | self._retains
         candidates = [key for key in self._table.keys() if key not in protected]  # noqa: SIM118
+        freed_before = tally.segments_freed
         per_segment = max(1, len(candidates) // max(1, len(self._segments)))
         for key in self._policy.victims(candidates, per_segment):
             entry = self._table.get(key)
             if entry is not None:
                 self._evict_entry(key, entry, tally)
         self._free_empty_segments(tally)
-        if tally.segments_freed:
+        if tally.segments_freed > freed_before:
             return
         # Evictions left holes: compact the sparsest sealed segment.
         views = sorted(self._segment_views(), key=lambda view: view.live_bytes)
@@ -1347,7 +1358,7 @@ class KVStore:
             end = state.head_bytes
         try:
             chunk_bytes = max(8 << 20, record_span(self.config.max_page_bytes))
-            queue = self._engine.queue()
+            queue = self._engine.queue("gc")
             offset = BLOCK_BYTES
             buffer = self._buffers.acquire(chunk_bytes)
             try:
@@ -1385,7 +1396,7 @@ class KVStore:
                 self._buffers.release(buffer)
         finally:
             with self._lock:
-                self._segment_readers[segment_id] -= 1
+                self._release_reader(segment_id)
 
     def _empty_segment(
         self, segment_id: int, tally: _GCTally, *, evict: Callable[[bytes], bool]
@@ -1441,7 +1452,9 @@ class KVStore:
                     entry.payload_checksum,
                 ),
             )
-            result = run_all(self._engine.queue(), [("w", segment.fd, offset, buffer.view[:span])])
+            result = run_all(
+                self._engine.queue("gc"), [("w", segment.fd, offset, buffer.view[:span])]
+            )
         finally:
             self._buffers.release(buffer)
         moved = dataclasses.replace(

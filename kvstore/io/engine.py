@@ -41,8 +41,12 @@ class IOEngine(Protocol):
     name: str
     depth: int
 
-    def queue(self) -> IOQueue:
-        """This thread's queue (created on first use)."""
+    def queue(self, lane: str = "main") -> IOQueue:
+        """This thread's queue for ``lane`` (created on first use).
+
+        Lanes keep nested users on one thread apart: GC that runs inside a
+        writer's ``put_many`` must not reap the writer's completions.
+        """
         ...
 
     def close(self) -> None: ...

@@ -67,11 +67,13 @@ class ThreadPoolEngine:
         self._pool = ThreadPoolExecutor(max_workers=min(depth, 32), thread_name_prefix="kvio")
         self._local = threading.local()
 
-    def queue(self) -> ThreadPoolQueue:
-        queue: ThreadPoolQueue | None = getattr(self._local, "queue", None)
+    def queue(self, lane: str = "main") -> ThreadPoolQueue:
+        lanes: dict[str, ThreadPoolQueue] | None = getattr(self._local, "lanes", None)
+        if lanes is None:
+            lanes = self._local.lanes = {}
+        queue = lanes.get(lane)
         if queue is None:
-            queue = ThreadPoolQueue(self._pool)
-            self._local.queue = queue
+            queue = lanes[lane] = ThreadPoolQueue(self._pool)
         return queue
 
     def close(self) -> None:

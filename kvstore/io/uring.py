@@ -175,11 +175,13 @@ class UringEngine:
         self._queues: list[UringQueue] = []
         self._lock = threading.Lock()
 
-    def queue(self) -> UringQueue:
-        queue: UringQueue | None = getattr(self._local, "queue", None)
+    def queue(self, lane: str = "main") -> UringQueue:
+        lanes: dict[str, UringQueue] | None = getattr(self._local, "lanes", None)
+        if lanes is None:
+            lanes = self._local.lanes = {}
+        queue = lanes.get(lane)
         if queue is None:
-            queue = UringQueue(self.depth)
-            self._local.queue = queue
+            queue = lanes[lane] = UringQueue(self.depth)
             with self._lock:
                 self._queues.append(queue)
         return queue
