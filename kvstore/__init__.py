@@ -8,6 +8,7 @@ with KVStore.open("/nvme/kv", create=True) as store:
 
 from kvstore.config import StoreConfig
 from kvstore.errors import (
+    AlreadyOpenError,
     ClosedError,
     CorruptionError,
     FormatVersionError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "AlreadyOpenError",
     "ClosedError",
     "CorruptionError",
     "FormatVersionError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno as errno_module
 
 __all__ = [
+    "AlreadyOpenError",
     "ClosedError",
     "CorruptionError",
     "FormatVersionError",
@@ -70,6 +71,15 @@ class LockedError(KVStoreError):
     """
 
     hint = "close the other writer or open with readonly=True"
+
+
+class AlreadyOpenError(KVStoreError):
+    """This process already has the store open; LMDB allows one environment per process.
+
+    Reuse the open ``KVStore`` instance (it is thread-safe) instead of opening again.
+    """
+
+    hint = "reuse the KVStore instance this process already opened"
 
 
 class ReadOnlyError(KVStoreError):

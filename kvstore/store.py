@@ -104,7 +104,13 @@ from kvstore.index.table import (
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
-from kvstore.io.files import FILE_MODE, fsync_dir, probe_direct_io, write_file_durably
+from kvstore.io.files import (
+    FILE_MODE,
+    fsync_dir,
+    probe_direct_io,
+    probe_direct_read,
+    write_file_durably,
+)
 from kvstore.log.segments import Segment, create_segment, list_segment_files, open_segment
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
@@ -278,11 +284,12 @@ class KVStore:
 
     def _open_state(self) -> None:
         root, config = self.root, self.config
-        self.direct_io = (
-            probe_direct_io(root / SEGMENTS_DIR) if config.direct_io is None else config.direct_io
-        )
-        if self.readonly:
-            self.direct_io = config.direct_io if config.direct_io is not None else self.direct_io
+        if config.direct_io is not None:
+            self.direct_io = config.direct_io
+        elif self.readonly:  # a reader must not create files; probe by reading
+            self.direct_io = probe_direct_read(root / SUPERBLOCK_NAME)
+        else:
+            self.direct_io = probe_direct_io(root / SEGMENTS_DIR)
         self._engine: IOEngine = make_engine(config.io_engine, config.io_depth)
         self._buffers = BufferPool()
         self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
@@ -314,6 +321,7 @@ class KVStore:
         self._pins: dict[bytes, list[PageEntry]] = {}
         self._segment_pins: Counter[int] = Counter()
         self._segment_readers: Counter[int] = Counter()
+        self._segment_writers: Counter[int] = Counter()  # reserved, not yet published
         self._policy: EvictionPolicy = make_policy(config.eviction_policy)
         self._evictions: Counter[str] = Counter()
         self._gc_lock = threading.Lock()
@@ -327,7 +335,7 @@ class KVStore:
         self._checkpoint_lock = threading.Lock()
         self._pending: list[bytes] = []
         self._inflight = 0
-        self._freezing = False
+        self._freezing = 0
         self._counters: dict[str, int] = {
             "puts": 0,
             "host_bytes_written": 0,
@@ -497,7 +505,7 @@ class KVStore:
         with self._commit_lock:
             with self._lock:
                 self._check_writable()
-                if self._next_lsn < self._lease_until:
+                if self._next_lsn + 2 < self._lease_until:  # the margin _reserve uses
                     return
                 lsn = self._take_lsn()
                 new_lease = self._next_lsn + self.config.lsn_lease_step
@@ -545,17 +553,32 @@ class KVStore:
             limit -= self.config.gc_reserve_segments
         return len(self._segments) < limit
 
-    def _reserve(self, span: int, *, for_gc: bool = False) -> tuple[Segment, int, int]:
-        """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight."""
+    def _reserve(
+        self,
+        span: int,
+        *,
+        for_gc: bool = False,
+        drain: Callable[[], None] | None = None,
+    ) -> tuple[Segment, int, int]:
+        """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight.
+
+        ``drain`` completes the caller's own in-flight writes. It runs before any
+        wait (a freeze, a lease extension, making room), because a checkpoint or
+        sweep waits for every in-flight write, including the caller's.
+        """
+        room_attempts = 0
         while True:
+            must_drain = False
             with self._cond:
                 self._check_writable()
-                while self._freezing:
+                if drain is not None and self._freezing:
+                    must_drain = True
+                while self._freezing and not must_drain:
                     self._cond.wait()
                     self._check_writable()
                 needs_lease = self._next_lsn + 2 >= self._lease_until
                 needs_room = False
-                if not needs_lease:
+                if not needs_lease and not must_drain:
                     segment = self._active
                     if segment is None or segment.remaining() < span:
                         if not self._may_roll(for_gc):
@@ -572,17 +595,29 @@ class KVStore:
                         segment.head += span
                         lsn = self._take_lsn()
                         self._inflight += 1
+                        self._segment_writers[segment.segment_id] += 1
                         return segment, offset, lsn
+            if drain is not None and (must_drain or needs_lease or needs_room):
+                drain()
+                drain = None  # nothing of the caller's is in flight any more
+            if must_drain:
+                continue
             if needs_lease:
                 self._extend_lease()
-            elif needs_room and not self._make_room():
-                raise StoreFullError(
-                    f"store is full ({self._capacity_bytes} bytes) and nothing can be "
-                    "evicted: every remaining page is pinned or retained"
-                )
+            elif needs_room:
+                if room_attempts >= 2:
+                    raise StoreFullError(
+                        f"store is full ({self._capacity_bytes} bytes) and nothing can be "
+                        "evicted: every remaining page is pinned or retained"
+                    )
+                room_attempts += 1
+                self._make_room()
 
-    def _finish_inflight(self) -> None:
-        """Caller holds ``_lock``."""
+    def _finish_inflight(self, segment_id: int) -> None:
+        """A reserved write into ``segment_id`` is done (or abandoned). Caller holds ``_lock``."""
+        self._segment_writers[segment_id] -= 1
+        if not self._segment_writers[segment_id]:
+            del self._segment_writers[segment_id]
         self._inflight -= 1
         if self._inflight == 0 and self._freezing:
             self._cond.notify_all()
@@ -625,13 +660,36 @@ class KVStore:
         queue = self._engine.queue()
         in_flight: dict[int, _PendingPut] = {}
         error: KVStoreError | None = None
+
+        def drain() -> None:
+            nonlocal error
+            while queue.in_flight:
+                error = self._complete_puts(queue, in_flight, queue.in_flight) or error
+
         try:
             for token, (key, view, meta) in enumerate(prepared):
                 size = view.nbytes
                 span = record_span(size)
                 payload_checksum = checksum(view)
-                segment, offset, lsn = self._reserve(span)
-                buffer = self._buffers.acquire(span)
+                segment, offset, lsn = self._reserve(span, drain=drain if in_flight else None)
+                try:
+                    buffer = self._buffers.acquire(span)
+                except BaseException:
+                    with self._lock:
+                        self._finish_inflight(segment.segment_id)
+                    raise
+                entry = PageEntry(
+                    segment.segment_id,
+                    segment.generation,
+                    offset,
+                    size,
+                    payload_checksum,
+                    lsn,
+                    meta,
+                )
+                # Registered before anything else can raise: the cleanup below
+                # releases the reservation of a page that was never submitted.
+                in_flight[token] = _PendingPut(key, entry, buffer, segment, span)
                 block = buffer.view
                 encode_record_header_into(
                     block,
@@ -649,16 +707,6 @@ class KVStore:
                 )
                 block[BLOCK_BYTES : BLOCK_BYTES + size] = view
                 block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
-                entry = PageEntry(
-                    segment.segment_id,
-                    segment.generation,
-                    offset,
-                    size,
-                    payload_checksum,
-                    lsn,
-                    meta,
-                )
-                in_flight[token] = _PendingPut(key, entry, buffer, segment, span)
                 queue.write(segment.fd, offset, block[:span], token)
                 queue.submit()  # start this write while the next page is prepared
                 if queue.in_flight >= self.config.io_depth:
@@ -670,8 +718,8 @@ class KVStore:
                 error = self._complete_puts(queue, in_flight, queue.in_flight) or error
             if in_flight:  # reserved but never submitted (an exception above)
                 with self._lock:
-                    for _ in in_flight:
-                        self._finish_inflight()
+                    for pending in in_flight.values():
+                        self._finish_inflight(pending.segment.segment_id)
                 for pending in in_flight.values():
                     self._buffers.release(pending.buffer)
         if error is not None:
@@ -718,8 +766,9 @@ class KVStore:
                 )
             published.append(pending)
         with self._lock:
+            for pending in published:
+                self._finish_inflight(pending.segment.segment_id)
             for pending, record in zip(published, records, strict=True):
-                self._finish_inflight()
                 if record is None:
                     continue
                 apply_put(self._table, self._segment_states, pending.key, pending.entry)
@@ -817,7 +866,7 @@ class KVStore:
         with self._checkpoint_lock:
             with self._commit_lock:
                 with self._cond:
-                    self._freezing = True
+                    self._freezing += 1
                     while self._inflight:
                         self._cond.wait()
                 try:
@@ -831,7 +880,7 @@ class KVStore:
                         first_lsn = self._take_lsn()
                         meta = {
                             META_CHECKPOINT_LSN: first_lsn,
-                            META_LSN_LEASE: self._lease_until,
+                            META_LSN_LEASE: max(self._lease_until, self._next_lsn),
                             META_PAGE_COUNT: self._table.page_count,
                             META_NEXT_SEGMENT: self._next_segment_id,
                         }
@@ -846,7 +895,7 @@ class KVStore:
                         raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
                 finally:
                     with self._cond:
-                        self._freezing = False
+                        self._freezing -= 1
                         self._cond.notify_all()
             self._table.commit_frozen(frozen, segments, dropped, meta, retains)
             self._checkpoint_lsn = first_lsn
@@ -1177,17 +1226,15 @@ class KVStore:
         assert self._capacity_segments is not None
         return self._capacity_segments - len(self._segments)
 
-    def _make_room(self) -> bool:
-        """Called by a writer that found no room: evict until a segment is free."""
+    def _make_room(self) -> None:
+        """Called by a writer that found no room: evict until the watermark is met."""
         with self._gc_lock:
             with self._lock:
                 if self._may_roll(False):
-                    return True
+                    return
             tally = _GCTally()
             self._free_empty_segments(tally)
             self._evict_until_watermark(tally)
-            with self._lock:
-                return self._may_roll(False)
 
     def _sealed_ids(self) -> list[int]:
         with self._lock:
@@ -1215,6 +1262,7 @@ class KVStore:
                 or state.live_pages != 0
                 or self._segment_pins.get(segment_id)
                 or self._segment_readers.get(segment_id)
+                or self._segment_writers.get(segment_id)
                 or (self._active is not None and self._active.segment_id == segment_id)
             ):
                 return False
@@ -1247,30 +1295,41 @@ class KVStore:
                 and state.live_bytes < threshold
                 and not self._segment_pins.get(segment_id)
             )
-        for _, segment_id in sparse:
-            if self._capacity_segments is not None:
-                with self._lock:
-                    if not self._may_roll(True) and (
-                        self._active is None
-                        or self._active.remaining() < self._segment_states[segment_id].live_bytes
-                    ):
-                        return  # no room to copy into; eviction must run first
+        for live_bytes, segment_id in sparse:
+            if not self._room_for_gc(live_bytes):
+                return  # no room to copy into; eviction must run first
             if self._empty_segment(segment_id, tally, evict=lambda key: False):
                 self._free_segment(segment_id, tally)
 
+    def _room_for_gc(self, live_bytes: int) -> bool:
+        """Whether ``live_bytes`` of relocated pages fit without exceeding capacity."""
+        with self._lock:
+            room = self._active.remaining() if self._active is not None else 0
+            if self._may_roll(True):
+                room += self.config.segment_bytes
+            return live_bytes + BLOCK_BYTES <= room
+
     def _evict_until_watermark(self, tally: _GCTally) -> None:
         watermark = self.config.low_watermark_segments + self.config.gc_reserve_segments
+        stalled = 0
         while True:
             with self._lock:
-                if self._free_segment_count() >= watermark:
+                free_before = self._free_segment_count()
+                if free_before >= watermark:
                     return
-            before = tally.segments_freed
+                patience = len(self._segments) + 1
             if self._policy.page_granular:
                 self._evict_pages(tally)
             else:
                 self._evict_one_segment(tally)
-            if tally.segments_freed == before:
-                return  # nothing could be freed: pinned or retained everywhere
+            with self._lock:
+                progressed = self._free_segment_count() > free_before
+            # A pass can free a segment yet fill another with relocated pages
+            # (retained, or hot pages on their second chance). Give up only after
+            # a whole round of passes made no net room.
+            stalled = 0 if progressed else stalled + 1
+            if stalled >= patience:
+                return
 
     def _segment_views(self) -> list[SegmentView]:
         sealed = set(self._sealed_ids())
@@ -1320,7 +1379,7 @@ class KVStore:
         # Evictions left holes: compact the sparsest sealed segment.
         views = sorted(self._segment_views(), key=lambda view: view.live_bytes)
         for view in views:
-            if view.has_pins:
+            if view.has_pins or not self._room_for_gc(view.live_bytes):
                 continue
             if self._empty_segment(view.segment_id, tally, evict=lambda key: False):
                 self._free_segment(view.segment_id, tally)
@@ -1428,14 +1487,22 @@ class KVStore:
             except CorruptionError:
                 complete = False  # leave it for fsck; never copy bad bytes forward
                 continue
-            self._move(header.key, entry, record, tally)
+            try:
+                self._move(header.key, entry, record, tally)
+            except StoreFullError:
+                return False  # out of GC room; what moved so far stays valid
         return complete
 
     def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: _GCTally) -> None:
         """Copy a verified record to the active segment; publish only if unchanged."""
         span = entry.span_bytes
         segment, offset, _ = self._reserve(span, for_gc=True)
-        buffer = self._buffers.acquire(span)
+        try:
+            buffer = self._buffers.acquire(span)
+        except BaseException:
+            with self._lock:
+                self._finish_inflight(segment.segment_id)
+            raise
         try:
             buffer.view[:span] = record
             encode_record_header_into(
@@ -1455,13 +1522,17 @@ class KVStore:
             result = run_all(
                 self._engine.queue("gc"), [("w", segment.fd, offset, buffer.view[:span])]
             )
+        except BaseException:
+            with self._lock:
+                self._finish_inflight(segment.segment_id)
+            raise
         finally:
             self._buffers.release(buffer)
         moved = dataclasses.replace(
             entry, segment_id=segment.segment_id, offset=offset, generation=segment.generation
         )
         with self._lock:
-            self._finish_inflight()
+            self._finish_inflight(segment.segment_id)
             if result[0] != span:
                 error = WriterFailedError(f"GC write to segment {segment.segment_id} failed")
                 if self._failed is None:
@@ -1500,7 +1571,7 @@ class KVStore:
     def _mark_and_sweep(self, tally: _GCTally) -> None:
         """Recompute live bytes per segment from the page table; fix and count drift."""
         with self._cond:
-            self._freezing = True  # hold writers still so the sweep sees one state
+            self._freezing += 1  # hold writers still so the sweep sees one state
             while self._inflight:
                 self._cond.wait()
         try:
@@ -1521,7 +1592,7 @@ class KVStore:
                         state.live_pages = pages[segment_id]
         finally:
             with self._cond:
-                self._freezing = False
+                self._freezing -= 1
                 self._cond.notify_all()
 
     def __contains__(self, key: object) -> bool:

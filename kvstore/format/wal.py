@@ -327,7 +327,7 @@ def iter_records(data: BytesLike, start: int = WAL_FILE_HEADER_BYTES) -> WalScan
 def _find_later_record(view: memoryview, start: int) -> int | None:
     """Offset of the next well-formed record after a bad one, if any (resync by magic)."""
     magic = struct.pack("<I", WAL_RECORD_MAGIC)
-    raw = view.obj if isinstance(view.obj, bytes) else bytes(view)
+    raw = bytes(view)  # offsets are relative to the view, never to what it slices
     position = start
     while True:
         position = raw.find(magic, position)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from kvstore.errors import CorruptionError, IOFailure
+from kvstore.errors import AlreadyOpenError, CorruptionError, IOFailure
 from kvstore.format.checksum import checksum
 
 __all__ = ["IndexEnv", "decode_meta_u64", "encode_meta_u64"]
@@ -60,6 +60,8 @@ class IndexEnv:
                 mode=0o600,
             )
         except lmdb.Error as e:
+            if "already open in this process" in str(e):
+                raise AlreadyOpenError(f"the store's index {path} is already open here") from e
             raise CorruptionError(f"cannot open the LMDB index at {path}: {e}") from e
         if not readonly:
             self.env.reader_check()  # clear reader slots of killed processes

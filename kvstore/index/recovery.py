@@ -130,6 +130,7 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
         next_segment_id = max(next_segment_id, max(segments) + 1)
     chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
     recovered = Recovered(table, segments, lease, 0, checkpoint_lsn, next_segment_id, chain)
+    recovered.retains = retains
     for wal_file in chain:
         if wal_file.torn_tail:
             recovered.notes.append(
@@ -185,7 +186,9 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
                 recovered.next_segment_id = max(recovered.next_segment_id, body.segment_id + 1)
             elif isinstance(body, LsnLeaseBody):
                 recovered.lsn_lease = max(recovered.lsn_lease, body.lease_until)
-    recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1)
+    # A WAL file's name and the checkpoint LSN are issued LSNs too: never reissue them.
+    issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
+    recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
     return recovered
 
 

@@ -15,7 +15,13 @@ from pathlib import Path
 from kvstore.errors import IOFailure
 from kvstore.format.constants import BLOCK_BYTES
 
-__all__ = ["fsync_dir", "open_data_file", "probe_direct_io", "write_file_durably"]
+__all__ = [
+    "fsync_dir",
+    "open_data_file",
+    "probe_direct_io",
+    "probe_direct_read",
+    "write_file_durably",
+]
 
 FILE_MODE = 0o600
 
@@ -90,3 +96,22 @@ def write_file_durably(path: Path, data: bytes) -> None:
     except OSError as e:
         raise IOFailure(f"cannot write {path}", e.errno) from e
     fsync_dir(path.parent)
+
+
+def probe_direct_read(path: Path) -> bool:
+    """True when ``path`` (an existing file) can be read with O_DIRECT; writes nothing."""
+    import mmap
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return False
+    block = mmap.mmap(-1, BLOCK_BYTES)
+    try:
+        os.preadv(fd, [block], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        block.close()
+        os.close(fd)

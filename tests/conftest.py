@@ -1,0 +1,88 @@
+"""Shared fixtures: a fresh store path per test and a helper that opens a small store.
+
+"Small" keeps every test fast: 1 MiB segments (fallocate and fsync stay cheap)
+and pages up to 256 KiB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import KVStore
+from kvstore.io.files import probe_direct_io
+from kvstore.io.uring import uring_available
+
+SMALL_SEGMENT_BYTES = 1 << 20
+SMALL_MAX_PAGE_BYTES = 256 << 10
+
+OpenStore = Callable[..., KVStore]
+
+
+def open_small_store(path: str | os.PathLike[str], **options: Any) -> KVStore:
+    """``KVStore.open(path, create=True, segment_bytes=1 MiB, max_page_bytes=256 KiB)``.
+
+    ``options`` override any of those or add other ``StoreConfig`` fields.
+    """
+    options.setdefault("create", True)
+    options.setdefault("segment_bytes", SMALL_SEGMENT_BYTES)
+    options.setdefault("max_page_bytes", SMALL_MAX_PAGE_BYTES)
+    return KVStore.open(path, **options)
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    """Where the test's store lives; it does not exist until the store is opened."""
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def open_store(store_path: Path) -> Iterator[OpenStore]:
+    """``open_store(path=store_path, **options)``: open a small store, closed at teardown.
+
+    Teardown closes every store the test left open, so no flusher thread, file
+    descriptor or writer lock leaks into the next test. A close that fails
+    there is ignored: the test already passed or failed on its own assertions.
+    """
+    opened: list[KVStore] = []
+
+    def _open(path: str | os.PathLike[str] | None = None, **options: Any) -> KVStore:
+        store = open_small_store(store_path if path is None else path, **options)
+        opened.append(store)
+        return store
+
+    yield _open
+    for store in opened:
+        with contextlib.suppress(Exception):
+            store.close()
+
+
+@pytest.fixture
+def store(open_store: OpenStore) -> KVStore:
+    """A freshly created small store with the default engine and O_DIRECT choice."""
+    return open_store()
+
+
+@pytest.fixture(scope="session")
+def direct_io_supported(tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """True when O_DIRECT works where pytest puts its temporary directories."""
+    return probe_direct_io(tmp_path_factory.mktemp("direct-probe"))
+
+
+@pytest.fixture(scope="session")
+def io_uring_supported() -> bool:
+    return uring_available()
+
+
+@pytest.fixture(params=["io_uring", "threadpool"])
+def engine_kind(request: pytest.FixtureRequest, io_uring_supported: bool) -> str:
+    """Each I/O engine in turn; io_uring is skipped where the kernel refuses it."""
+    kind: str = request.param
+    if kind == "io_uring" and not io_uring_supported:
+        pytest.skip("io_uring is refused on this machine")
+    return kind

@@ -1,0 +1,807 @@
+#!/usr/bin/env python3
+"""kill -9 crash loop for kvstore, checked against an oracle kept outside the store.
+
+Each cycle starts a child process (this file in ``--child`` mode) that opens the
+store and runs a random mix of writes: ``put(sync=True)``, ``put_many(sync=True)``
+batches, plain puts and deletes followed by ``flush()``, put/delete churn on a few
+keys, occasional ``checkpoint()`` and ``gc()``. Before each operation the child reports
+``begin ...`` on its stdout pipe, and once the operation is acknowledged (the sync
+put or the flush returned) it reports ``ack ...``, before it starts the next one.
+The parent SIGKILLs the child at a random moment, opens the store itself and
+checks every key against the oracle (RELIABILITY.md, "The oracle"):
+
+- an acknowledged page is present with exactly the expected bytes (and meta),
+  unless a later operation on that key had begun: then the page may also be in
+  the state that operation leaves (any of them, when several had begun);
+- an acknowledged delete stays deleted unless a later put of the key had begun;
+- a get never returns bytes that match none of the allowed states.
+
+Then it closes the store (a checkpoint), takes what it saw as the new baseline,
+and the next cycle runs on the same store, so recovery after recovery is
+exercised. Page bytes are derived from (key, version), so the parent never
+stores them. The child also runs ``gc()`` now and then, and some cycles run the
+background GC thread at a short interval, so kills land in page relocation and
+segment frees too. Some cycles use a tiny ``lsn_lease_step`` so LSN lease
+extensions (and their recovery) happen all the time. A child that stops making
+progress for ``--stall-s`` seconds is a violation (its stacks are dumped first).
+
+    .venv/bin/python tools/crashloop.py --dir /tmp/crash --cycles 200 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+import kvstore
+from kvstore import KVStore, KVStoreError, StoreNotFoundError
+
+KIB = 1 << 10
+MIB = 1 << 20
+MAX_PAGE_BYTES = 1 * MIB
+COMMON_PAGE_BYTES = 256 * KIB
+MIN_PAGE_BYTES = 4 * KIB
+MAX_DETAILS = 50
+
+# A key's state in the oracle: ("put", version) or ("del", 0).
+State = tuple[str, int]
+ABSENT: State = ("del", 0)
+
+
+# -- deterministic pages ------------------------------------------------------
+
+
+def key_name(index: int) -> str:
+    return f"k{index:05d}"
+
+
+def page_size(key: str, version: int) -> int:
+    """Mostly 256 KiB; otherwise log-uniform in 4 KiB..1 MiB at any byte count."""
+    h = xxhash.xxh64_intdigest(f"size/{key}/{version}".encode())
+    if h % 100 < 60:
+        return COMMON_PAGE_BYTES
+    frac = (h >> 8) / float(1 << 56)
+    size = int(MIN_PAGE_BYTES * (MAX_PAGE_BYTES / MIN_PAGE_BYTES) ** frac)
+    return max(MIN_PAGE_BYTES, min(MAX_PAGE_BYTES, size))
+
+
+def page_bytes(key: str, version: int) -> bytes:
+    seed = xxhash.xxh64_intdigest(f"page/{key}/{version}".encode())
+    return np.random.default_rng(seed).bytes(page_size(key, version))
+
+
+def page_meta(key: str, version: int) -> dict[str, Any] | None:
+    """About a third of the pages carry meta naming their version."""
+    if xxhash.xxh32_intdigest(f"meta/{key}/{version}".encode()) % 3:
+        return None
+    return {"key": key, "version": version}
+
+
+# -- child ----------------------------------------------------------------------
+
+
+class _Reporter:
+    """Writes protocol lines straight to the pipe (one write(2) each: atomic, unbuffered)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __call__(self, line: str) -> None:
+        data = (line + "\n").encode()
+        while data:
+            written = os.write(self.fd, data)
+            data = data[written:]
+
+
+def open_store(path: Path, segment_bytes: int, **options: Any) -> KVStore:
+    return KVStore.open(
+        path,
+        create=True,
+        segment_bytes=segment_bytes,
+        max_page_bytes=MAX_PAGE_BYTES,
+        **options,
+    )
+
+
+def child_main(args: argparse.Namespace) -> int:
+    rng = random.Random(args.child_seed)
+    report = _Reporter(sys.stdout.fileno())
+    options: dict[str, Any] = {}
+    if args.checkpoint_interval_s is not None:
+        options["checkpoint_interval_s"] = args.checkpoint_interval_s
+    if args.checkpoint_wal_bytes is not None:
+        options["checkpoint_wal_bytes"] = args.checkpoint_wal_bytes
+    if args.gc_interval_s is not None:
+        options["gc_interval_s"] = args.gc_interval_s
+    if args.lsn_lease_step is not None:
+        options["lsn_lease_step"] = args.lsn_lease_step
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    started = time.perf_counter()
+    store = open_store(Path(args.dir), args.segment_mib * MIB, **options)
+    report(f"ready {time.perf_counter() - started:.6f}")
+    keys = [key_name(i) for i in range(args.keys)]
+    seq = 0
+
+    def next_version() -> int:
+        nonlocal seq
+        seq += 1
+        return int(args.cycle) * 1_000_000 + seq
+
+    def put_item(key: str, version: int) -> tuple[str, bytes, dict[str, Any] | None]:
+        return key, page_bytes(key, version), page_meta(key, version)
+
+    ops = 0
+    while args.max_ops <= 0 or ops < args.max_ops:
+        ops += 1
+        r = rng.random()
+        if r < args.checkpoint_prob:
+            report("begin ckpt")
+            store.checkpoint()
+            report("ack ckpt")
+            continue
+        if r < args.checkpoint_prob + args.gc_prob:
+            report("begin gc")
+            store.gc(full=rng.random() < 0.3)
+            report("ack gc")
+            continue
+        r = rng.random()
+        if r < 0.33:  # one sync put
+            key, version = rng.choice(keys), next_version()
+            item = put_item(key, version)
+            report(f"begin put {key} {version}")
+            store.put(key, item[1], meta=item[2], sync=True)
+            report(f"ack put {key} {version}")
+        elif r < 0.53:  # a sync batch of distinct keys
+            batch = [(k, next_version()) for k in rng.sample(keys, rng.randint(2, 8))]
+            items = [put_item(k, v) for k, v in batch]
+            for k, v in batch:
+                report(f"begin put {k} {v}")
+            store.put_many(items, sync=True)
+            for k, v in batch:
+                report(f"ack put {k} {v}")
+        elif r < 0.71:  # plain puts, then flush
+            batch = [(k, next_version()) for k in rng.sample(keys, rng.randint(1, 4))]
+            for k, v in batch:
+                item = put_item(k, v)
+                report(f"begin put {k} {v}")
+                store.put(k, item[1], meta=item[2])
+            store.flush()
+            for k, v in batch:
+                report(f"ack put {k} {v}")
+        elif r < 0.86:  # deletes, then flush
+            chosen = rng.sample(keys, rng.randint(1, 3))
+            for k in chosen:
+                report(f"begin del {k}")
+                store.delete(k)
+            store.flush()
+            for k in chosen:
+                report(f"ack del {k}")
+        else:  # churn: puts and deletes of a few keys, repeats included, then flush
+            few = rng.sample(keys, 2)
+            final: dict[str, str] = {}
+            for _ in range(rng.randint(2, 5)):
+                k = rng.choice(few)
+                if rng.random() < 0.65:
+                    v = next_version()
+                    item = put_item(k, v)
+                    report(f"begin put {k} {v}")
+                    store.put(k, item[1], meta=item[2])
+                    final[k] = f"ack put {k} {v}"
+                else:
+                    report(f"begin del {k}")
+                    store.delete(k)
+                    final[k] = f"ack del {k}"
+            store.flush()
+            for line in final.values():
+                report(line)
+    store.close()
+    report("done")
+    return 0
+
+
+# -- parent ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class LoopConfig:
+    dir: Path
+    cycles: int = 200
+    seed: int = 0
+    keys: int = 200
+    segment_mib: int = 8
+    min_delay_s: float = 0.05
+    max_delay_s: float = 1.5
+    startup_kill_prob: float = 0.2  # delay counted from spawn, not from "ready"
+    ckpt_hunt_prob: float = 0.15  # wait for "begin ckpt", then kill within a few ms
+    checkpoint_prob: float = 0.03
+    gc_prob: float = 0.02
+    ready_timeout_s: float = 60.0
+    quiet_s: float = 0.5  # a ready child silent this long is watched for a stall
+    stall_s: float = 5.0  # ... and one silent this long has stalled (a violation)
+    small_lease_prob: float = 0.3  # cycles with lsn_lease_step in 8..512
+    verify_timeout_s: float | None = 120.0  # faulthandler watchdog; None: off
+    stop_on_violation: bool = False
+    python: str = sys.executable
+
+
+@dataclasses.dataclass(slots=True)
+class LoopSummary:
+    seed: int = 0
+    cycles: int = 0
+    kills_during_startup: int = 0
+    kills_during_ops: int = 0
+    kills_during_checkpoint: int = 0
+    kills_during_gc: int = 0
+    store_not_created_yet: int = 0
+    acks_put: int = 0
+    acks_del: int = 0
+    acks_ckpt: int = 0
+    acks_gc: int = 0
+    checked_acked_puts: int = 0  # verifications of a put acknowledged in that cycle
+    checked_acked_deletes: int = 0  # verifications of a delete acknowledged in that cycle
+    checked_keys: int = 0  # every key verification, baseline carried over included
+    inflight_became_new: int = 0  # an unacknowledged op that turned out durable
+    inflight_stayed_old: int = 0
+    lost_pages: int = 0
+    wrong_bytes: int = 0
+    wrong_meta: int = 0
+    resurrected_deletes: int = 0
+    read_errors: int = 0
+    index_mismatches: int = 0
+    child_failures: int = 0
+    recovery_failures: int = 0
+    reopen_s: list[float] = dataclasses.field(default_factory=list)
+    close_s: list[float] = dataclasses.field(default_factory=list)
+    replayed_records: list[int] = dataclasses.field(default_factory=list)
+    elapsed_s: float = 0.0
+    store_bytes: int = 0
+    kvstore_module: str = ""
+    details: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def violations(self) -> int:
+        return (
+            self.lost_pages
+            + self.wrong_bytes
+            + self.wrong_meta
+            + self.resurrected_deletes
+            + self.read_errors
+            + self.index_mismatches
+            + self.child_failures
+            + self.recovery_failures
+        )
+
+    def note(self, detail: str) -> None:
+        if len(self.details) < MAX_DETAILS:
+            self.details.append(detail)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("reopen_s", "close_s", "replayed_records")
+        }
+        out["violations"] = self.violations
+        out["reopen_s_mean"] = _mean(self.reopen_s)
+        out["reopen_s_max"] = max(self.reopen_s, default=0.0)
+        out["close_s_mean"] = _mean(self.close_s)
+        out["close_s_max"] = max(self.close_s, default=0.0)
+        out["replayed_records_mean"] = _mean([float(r) for r in self.replayed_records])
+        out["replayed_records_max"] = max(self.replayed_records, default=0)
+        return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class Oracle:
+    """The expected state, kept in the parent: per key the last acknowledged state,
+    the states of operations begun since then, and every version ever begun."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.acked: dict[str, State] = dict.fromkeys(keys, ABSENT)
+        self.begun: dict[str, list[State]] = {k: [] for k in keys}
+        self.fresh: set[str] = set()  # acknowledged during the current cycle
+        self.history: dict[str, set[int]] = {k: set() for k in keys}
+
+    def start_cycle(self) -> None:
+        self.fresh.clear()
+        for pending in self.begun.values():
+            pending.clear()
+
+    def apply(self, line: str, summary: LoopSummary) -> None:
+        parts = line.split()
+        if len(parts) < 2 or parts[0] not in ("begin", "ack") or parts[1] in ("ckpt", "gc"):
+            if parts[:2] == ["ack", "ckpt"]:
+                summary.acks_ckpt += 1
+            elif parts[:2] == ["ack", "gc"]:
+                summary.acks_gc += 1
+            return
+        phase, kind, key = parts[0], parts[1], parts[2]
+        state: State = ("put", int(parts[3])) if kind == "put" else ABSENT
+        if phase == "begin":
+            self.begun[key].append(state)
+            if kind == "put":
+                self.history[key].add(state[1])
+            return
+        self.acked[key] = state
+        self.begun[key].clear()
+        self.fresh.add(key)
+        if kind == "put":
+            summary.acks_put += 1
+        else:
+            summary.acks_del += 1
+
+
+def _classify(
+    oracle: Oracle,
+    key: str,
+    got: bytes | None,
+    meta: dict[str, Any] | None,
+    summary: LoopSummary,
+    cycle: int,
+) -> State:
+    """Check one key; returns the state the store is in (the new baseline)."""
+    acked = oracle.acked[key]
+    allowed = [acked, *oracle.begun[key]]
+    summary.checked_keys += 1
+    if key in oracle.fresh:
+        if acked[0] == "put":
+            summary.checked_acked_puts += 1
+        else:
+            summary.checked_acked_deletes += 1
+    seen: State | None = None
+    if got is None:
+        if ABSENT in allowed:
+            seen = ABSENT
+    else:
+        for state in allowed:
+            if (
+                state[0] == "put"
+                and page_size(key, state[1]) == len(got)
+                and page_bytes(key, state[1]) == got
+            ):
+                seen = state
+                break
+    if seen is not None:
+        if seen != acked:
+            summary.inflight_became_new += 1
+        elif oracle.begun[key]:
+            summary.inflight_stayed_old += 1
+        if seen[0] == "put" and meta != page_meta(key, seen[1]):
+            summary.wrong_meta += 1
+            summary.note(f"cycle {cycle}: {key} v{seen[1]}: meta {meta!r}")
+        return seen
+    what = f"cycle {cycle}: {key}: acked {acked}, begun since {oracle.begun[key]}"
+    if got is None:
+        summary.lost_pages += 1
+        summary.note(f"{what}: LOST (get returned None)")
+        return ABSENT
+    older = [
+        v
+        for v in sorted(oracle.history[key])
+        if page_size(key, v) == len(got) and page_bytes(key, v) == got
+    ]
+    if older and acked[0] == "del" and not any(s[0] == "put" for s in oracle.begun[key]):
+        summary.resurrected_deletes += 1
+        summary.note(f"{what}: RESURRECTED v{older[0]}")
+    else:
+        summary.wrong_bytes += 1
+        label = f"an older version v{older[0]}" if older else "no known version"
+        summary.note(f"{what}: WRONG BYTES ({len(got)} bytes matching {label})")
+    return ("put", older[0]) if older else ABSENT
+
+
+Read = tuple[bytes | None, dict[str, Any] | None, bool]  # bytes, meta, read raised
+
+
+def _read_all(store: KVStore, keys: list[str], summary: LoopSummary, cycle: int) -> list[Read]:
+    """(bytes, meta, failed) per key; a read that raises is counted and marked failed."""
+    try:
+        values: list[bytes | None] = store.get_many(keys)
+        failed = [False] * len(keys)
+    except KVStoreError:
+        values, failed = [], []
+        for key in keys:
+            try:
+                values.append(store.get(key))
+                failed.append(False)
+            except KVStoreError as e:
+                summary.read_errors += 1
+                summary.note(f"cycle {cycle}: get({key}) raised {type(e).__name__}: {e}")
+                values.append(None)
+                failed.append(True)
+    out: list[Read] = []
+    for key, value, bad in zip(keys, values, failed, strict=True):
+        meta: dict[str, Any] | None = None
+        if value is not None:
+            info = store.info(key)
+            meta = dict(info.meta) if info is not None and info.meta else None
+        out.append((value, meta, bad))
+    return out
+
+
+def _check_index(store: KVStore, present: set[str], summary: LoopSummary, cycle: int) -> None:
+    listed = {k.decode() for k in store.keys()}  # noqa: SIM118 (no __iter__)
+    live_pages = sum(state.live_pages for state in store.segment_states().values())
+    if listed != present or len(store) != len(present) or live_pages != len(present):
+        summary.index_mismatches += 1
+        summary.note(
+            f"cycle {cycle}: index disagrees with reads: {len(present)} keys readable, "
+            f"keys() lists {len(listed)} (extra {sorted(listed - present)[:5]}, "
+            f"missing {sorted(present - listed)[:5]}), len() {len(store)}, "
+            f"live_pages {live_pages}"
+        )
+
+
+def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int) -> bool:
+    """Open, check every key, close. False when the store could not be recovered."""
+    if config.verify_timeout_s:
+        faulthandler.dump_traceback_later(config.verify_timeout_s, exit=True)
+    try:
+        started = time.perf_counter()
+        try:
+            store = open_store(config.dir, config.segment_mib * MIB)
+        except StoreNotFoundError:
+            # Killed while creating the store: fine as long as nothing was acknowledged.
+            summary.store_not_created_yet += 1
+            if any(state != ABSENT for state in oracle.acked.values()):
+                summary.recovery_failures += 1
+                summary.note(f"cycle {cycle}: the store vanished after acknowledged writes")
+                return False
+            return True
+        except Exception as e:
+            summary.recovery_failures += 1
+            summary.note(f"cycle {cycle}: reopen raised {type(e).__name__}: {e}")
+            return False
+        summary.reopen_s.append(time.perf_counter() - started)
+        summary.replayed_records.append(store.replayed_records)
+        try:
+            results = _read_all(store, oracle.keys, summary, cycle)
+            present: set[str] = set()
+            for key, (got, meta, failed) in zip(oracle.keys, results, strict=True):
+                if failed:
+                    continue  # counted as a read error; the baseline stays as it was
+                oracle.acked[key] = _classify(oracle, key, got, meta, summary, cycle)
+                if got is not None:
+                    present.add(key)
+            if not any(failed for _, _, failed in results):
+                _check_index(store, present, summary, cycle)
+        finally:
+            started = time.perf_counter()
+            try:
+                store.close()
+            except Exception as e:
+                summary.recovery_failures += 1
+                summary.note(f"cycle {cycle}: close after recovery raised {type(e).__name__}: {e}")
+                return False
+            summary.close_s.append(time.perf_counter() - started)
+        return True
+    finally:
+        if config.verify_timeout_s:
+            faulthandler.cancel_dump_traceback_later()
+
+
+class _ChildWatch:
+    """Reads the child's protocol lines on a thread; signals 'ready' and 'begin ckpt'."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.last_line_at = time.monotonic()
+        self.ready = threading.Event()
+        self.in_checkpoint = threading.Event()
+        self.ckpt_begun = threading.Event()
+        self.in_gc = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            if not raw.endswith(b"\n"):
+                break  # a line cut by the kill: never acknowledged
+            line = raw.decode().strip()
+            self.lines.append(line)
+            self.last_line_at = time.monotonic()
+            if line.startswith("ready"):
+                self.ready.set()
+            elif line == "begin ckpt":
+                self.in_checkpoint.set()
+                self.ckpt_begun.set()
+            elif line == "ack ckpt":
+                self.in_checkpoint.clear()
+            elif line == "begin gc":
+                self.in_gc.set()
+            elif line == "ack gc":
+                self.in_gc.clear()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def _wait_for(event: threading.Event, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait for ``event``; give up early when the child has exited."""
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(0.01):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            return event.is_set()
+    return True
+
+
+def _stalled(config: LoopConfig, watch: _ChildWatch, proc: subprocess.Popen[bytes]) -> bool:
+    """True when a ready, live child has reported nothing for ``stall_s`` seconds."""
+    if time.monotonic() - watch.last_line_at < config.quiet_s:
+        return False
+    count = len(watch.lines)
+    while time.monotonic() - watch.last_line_at < config.stall_s:
+        if proc.poll() is not None or len(watch.lines) != count:
+            return False
+        time.sleep(0.01)
+    if proc.poll() is not None or len(watch.lines) != count:
+        return False
+    proc.send_signal(signal.SIGUSR1)  # faulthandler: dump every thread to stderr
+    time.sleep(0.5)
+    return True
+
+
+def _child_command(config: LoopConfig, cycle: int, rng: random.Random, hunt: bool) -> list[str]:
+    command = [
+        config.python,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--dir",
+        str(config.dir),
+        "--cycle",
+        str(cycle),
+        "--child-seed",
+        str(rng.getrandbits(63)),
+        "--keys",
+        str(config.keys),
+        "--segment-mib",
+        str(config.segment_mib),
+        "--checkpoint-prob",
+        str(0.25 if hunt else config.checkpoint_prob),
+        "--gc-prob",
+        str(config.gc_prob),
+        "--gc-interval-s",
+        str(rng.choice([1.0, 1.0, 0.05, 0.0])),  # 0: no background GC thread
+    ]
+    if rng.random() < config.small_lease_prob:
+        command += ["--lsn-lease-step", str(rng.choice([8, 32, 128, 512]))]
+    if rng.random() < 0.3:  # let the flusher thread checkpoint under the writes too
+        command += ["--checkpoint-interval-s", f"{rng.uniform(0.05, 0.5):.3f}"]
+        command += ["--checkpoint-wal-bytes", str(rng.choice([16 * KIB, 256 * KIB, 64 * MIB]))]
+    return command
+
+
+def run_cycle(
+    config: LoopConfig,
+    oracle: Oracle,
+    summary: LoopSummary,
+    cycle: int,
+    rng: random.Random,
+    log: Callable[[str], None],
+) -> bool:
+    """One spawn-kill-verify cycle. False when the loop must stop."""
+    oracle.start_cycle()
+    hunt = rng.random() < config.ckpt_hunt_prob
+    from_spawn = not hunt and rng.random() < config.startup_kill_prob
+    delay = rng.uniform(config.min_delay_s, config.max_delay_s)
+    if from_spawn:  # aim at the child's imports, open and recovery (~0.2-0.5 s)
+        delay = rng.uniform(config.min_delay_s, max(config.min_delay_s, 0.5))
+    stderr_path = config.dir.parent / f".{config.dir.name}.child-stderr"
+    with open(stderr_path, "wb") as stderr:
+        proc = subprocess.Popen(
+            _child_command(config, cycle, rng, hunt),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+    watch = _ChildWatch(proc)
+    hung = False
+    if from_spawn:
+        time.sleep(delay)
+    elif not _wait_for(watch.ready, proc, config.ready_timeout_s):
+        hung = proc.poll() is None
+    elif hunt:
+        if _wait_for(watch.ckpt_begun, proc, max(delay, 1.0) * 3):
+            time.sleep(rng.uniform(0.0, 0.004))
+    else:
+        time.sleep(delay)
+    stalled = not from_spawn and not hunt and watch.ready.is_set() and _stalled(config, watch, proc)
+    in_checkpoint = watch.in_checkpoint.is_set()
+    in_gc = watch.in_gc.is_set()
+    ready = watch.ready.is_set()
+    exited_early = proc.poll() is not None
+    if not exited_early:
+        proc.send_signal(signal.SIGKILL)
+    returncode = proc.wait()
+    watch.join()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    if exited_early or hung or stalled:
+        summary.child_failures += 1
+        tail = stderr_path.read_text(errors="replace")[-3000:]
+        why = (
+            "hung before ready"
+            if hung
+            else f"stalled: no progress for {config.stall_s} s (stacks below)"
+            if stalled
+            else f"exited by itself with status {returncode}"
+        )
+        shown = tail.strip()
+        if stalled and "Current thread" in shown:  # the main thread's stack
+            shown = shown[shown.index("Current thread") :].split("\n\n")[0]
+        summary.note(f"cycle {cycle}: child {why}: {shown[-600:]}")
+        log(f"cycle {cycle}: child {why}\n{tail}")
+    elif not ready:
+        summary.kills_during_startup += 1
+    elif in_checkpoint:
+        summary.kills_during_checkpoint += 1
+    elif in_gc:
+        summary.kills_during_gc += 1
+    else:
+        summary.kills_during_ops += 1
+    stderr_path.unlink(missing_ok=True)
+    for line in watch.lines:
+        oracle.apply(line, summary)
+    before = summary.violations
+    ok = verify(config, oracle, summary, cycle)
+    summary.cycles += 1
+    if summary.violations != before:
+        log(f"cycle {cycle}: {summary.violations - before} new violation(s)")
+        for detail in summary.details[-5:]:
+            log(f"  {detail}")
+    return ok and not (config.stop_on_violation and summary.violations)
+
+
+def run_crashloop(config: LoopConfig, log: Callable[[str], None] | None = None) -> LoopSummary:
+    """Run ``config.cycles`` crash cycles on a new store at ``config.dir``."""
+    say = log or (lambda _: None)
+    if config.dir.exists() and any(config.dir.iterdir()):
+        raise ValueError(f"{config.dir} is not empty; the oracle needs a new store")
+    rng = random.Random(config.seed)
+    oracle = Oracle([key_name(i) for i in range(config.keys)])
+    summary = LoopSummary(seed=config.seed, kvstore_module=str(Path(kvstore.__file__).parent))
+    started = time.perf_counter()
+    for cycle in range(1, config.cycles + 1):
+        if not run_cycle(config, oracle, summary, cycle, rng, say):
+            say(f"stopping after cycle {cycle}")
+            break
+        if cycle % 10 == 0:
+            say(
+                f"cycle {cycle}: acks {summary.acks_put} puts / {summary.acks_del} deletes, "
+                f"violations {summary.violations}, last reopen {summary.reopen_s[-1:]}"
+            )
+    summary.elapsed_s = time.perf_counter() - started
+    summary.store_bytes = (
+        sum(f.stat().st_size for f in config.dir.rglob("*") if f.is_file())
+        if config.dir.exists()
+        else 0
+    )
+    return summary
+
+
+def format_summary(summary: LoopSummary) -> str:
+    d = summary.as_dict()
+    lines = [
+        f"seed                     {d['seed']}",
+        f"kvstore                  {d['kvstore_module']}",
+        f"cycles                   {d['cycles']} "
+        f"(killed in startup/recovery {d['kills_during_startup']}, "
+        f"in ops {d['kills_during_ops']}, in checkpoint {d['kills_during_checkpoint']}, "
+        f"in gc {d['kills_during_gc']})",
+        f"acks received            {d['acks_put']} puts, {d['acks_del']} deletes, "
+        f"{d['acks_ckpt']} checkpoints, {d['acks_gc']} gc passes",
+        f"acked ops verified       {d['checked_acked_puts']} puts, "
+        f"{d['checked_acked_deletes']} deletes ({d['checked_keys']} key checks in all)",
+        f"unacked ops resolved     {d['inflight_became_new']} to the new state, "
+        f"{d['inflight_stayed_old']} to the old",
+        f"lost pages               {d['lost_pages']}",
+        f"wrong bytes              {d['wrong_bytes']}",
+        f"wrong meta               {d['wrong_meta']}",
+        f"resurrected deletes      {d['resurrected_deletes']}",
+        f"read errors              {d['read_errors']}",
+        f"index mismatches         {d['index_mismatches']}",
+        f"child failures           {d['child_failures']}",
+        f"recovery failures        {d['recovery_failures']}",
+        f"reopen time              mean {d['reopen_s_mean'] * 1e3:.1f} ms, "
+        f"max {d['reopen_s_max'] * 1e3:.1f} ms",
+        f"close (checkpoint) time  mean {d['close_s_mean'] * 1e3:.1f} ms, "
+        f"max {d['close_s_max'] * 1e3:.1f} ms",
+        f"WAL records replayed     mean {d['replayed_records_mean']:.0f}, "
+        f"max {d['replayed_records_max']}",
+        f"store size at end        {d['store_bytes'] / MIB:.0f} MiB",
+        f"elapsed                  {d['elapsed_s']:.1f} s",
+        f"VIOLATIONS               {d['violations']}",
+    ]
+    lines += [f"  {detail}" for detail in summary.details]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="store directory (new or empty)")
+    parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--keys", type=int, default=200, help="size of the key space")
+    parser.add_argument("--segment-mib", type=int, default=8)
+    parser.add_argument("--min-delay", type=float, default=0.05, help="seconds before the kill")
+    parser.add_argument("--max-delay", type=float, default=1.5)
+    parser.add_argument("--startup-kill-prob", type=float, default=0.2)
+    parser.add_argument("--ckpt-hunt-prob", type=float, default=0.15)
+    parser.add_argument(
+        "--fresh", action="store_true", help="remove --dir first if it holds a kvstore"
+    )
+    parser.add_argument("--stop-on-violation", action="store_true")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    # child mode (internal)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cycle", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-prob", type=float, default=0.03, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-interval-s", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-wal-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-prob", type=float, default=0.02, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-interval-s", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--lsn-lease-step", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--max-ops", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    directory: Path = args.dir.absolute()
+    if args.fresh and (directory / "KVSTORE").exists():
+        shutil.rmtree(directory)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    config = LoopConfig(
+        dir=directory,
+        cycles=args.cycles,
+        seed=seed,
+        keys=args.keys,
+        segment_mib=args.segment_mib,
+        min_delay_s=args.min_delay,
+        max_delay_s=args.max_delay,
+        startup_kill_prob=args.startup_kill_prob,
+        ckpt_hunt_prob=args.ckpt_hunt_prob,
+        stop_on_violation=args.stop_on_violation,
+    )
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    log(f"crashloop: {config.cycles} cycles on {directory}, seed {seed}")
+    summary = run_crashloop(config, log)
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+    else:
+        print(format_summary(summary))
+    return 1 if summary.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
