@@ -111,7 +111,13 @@ from kvstore.io.files import (
     probe_direct_read,
     write_file_durably,
 )
-from kvstore.log.segments import Segment, create_segment, list_segment_files, open_segment
+from kvstore.log.segments import (
+    Segment,
+    create_segment,
+    list_segment_files,
+    open_segment,
+    recycle_segment,
+)
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
 from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
@@ -325,6 +331,9 @@ class KVStore:
         self._policy: EvictionPolicy = make_policy(config.eviction_policy)
         self._evictions: Counter[str] = Counter()
         self._gc_lock = threading.Lock()
+        self._spare: Segment | None = None  # made ahead by the prepare thread
+        self._preparing = False
+        self._spare_wanted = threading.Event()
         self._last_gc = time.monotonic()
         capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
         self._capacity_bytes = capacity
@@ -357,6 +366,7 @@ class KVStore:
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._gc_thread: threading.Thread | None = None
+        self._prepare_thread: threading.Thread | None = None
         if self.readonly:
             return
         self._choose_active_segment()
@@ -365,6 +375,10 @@ class KVStore:
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
+        self._prepare_thread = threading.Thread(
+            target=self._prepare_loop, name="kvstore-prepare", daemon=True
+        )
+        self._prepare_thread.start()
         if self.config.gc_interval_s > 0:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="kvstore-gc", daemon=True)
             self._gc_thread.start()
@@ -446,6 +460,9 @@ class KVStore:
         try:
             if not self.readonly and hasattr(self, "_stop"):
                 self._stop.set()
+                self._spare_wanted.set()
+                if self._prepare_thread is not None:
+                    self._prepare_thread.join()
                 if self._gc_thread is not None:
                     self._gc_thread.join()
                 if self._flusher is not None:
@@ -456,6 +473,11 @@ class KVStore:
             self._release_resources()
 
     def _release_resources(self) -> None:
+        spare = getattr(self, "_spare", None)
+        if spare is not None:  # never named by the WAL: remove it now, not at next open
+            spare.close()
+            spare.path.unlink(missing_ok=True)
+            self._spare = None
         wal = getattr(self, "_wal", None)
         if wal is not None:
             wal.close()
@@ -514,12 +536,9 @@ class KVStore:
             with self._lock:
                 self._lease_until = new_lease
 
-    def _roll_segment(self) -> Segment:
-        """Open a fresh active segment. Caller holds ``_lock``."""
-        segment_id = self._next_segment_id
-        generation = self._take_lsn()
+    def _new_segment(self, segment_id: int, generation: int) -> Segment:
         try:
-            segment = create_segment(
+            return create_segment(
                 self.root,
                 segment_id,
                 generation,
@@ -533,7 +552,60 @@ class KVStore:
                     f"no space on the device for a new {self.config.segment_bytes}-byte segment"
                 ) from e
             raise
-        self._next_segment_id += 1
+
+    def _spare_allowed(self) -> bool:
+        """A spare segment may exist (it counts against capacity). Caller holds ``_lock``."""
+        if self._capacity_segments is None:
+            return True
+        return len(self._segments) + 1 < self._capacity_segments
+
+    def _prepare_loop(self) -> None:
+        """Keep one spare segment ready so rolling never waits on fallocate."""
+        while not self._stop.is_set():
+            self._spare_wanted.wait(0.5)
+            self._spare_wanted.clear()
+            with self._cond:
+                if (
+                    self._spare is not None
+                    or self._preparing
+                    or self._failed is not None
+                    or self._stop.is_set()
+                    or self._next_lsn + 2 >= self._lease_until
+                    or not self._spare_allowed()
+                ):
+                    continue
+                self._preparing = True
+                segment_id = self._next_segment_id
+                self._next_segment_id += 1
+                generation = self._take_lsn()
+            spare: Segment | None = None
+            try:
+                spare = self._new_segment(segment_id, generation)
+            except KVStoreError:
+                pass  # the writer creates its next segment itself, and reports the error
+            finally:
+                with self._cond:
+                    self._spare = spare
+                    self._preparing = False
+                    self._cond.notify_all()
+
+    def _take_spare(self) -> Segment | None:
+        """The prepared spare, waiting if one is being made. Caller holds ``_lock``."""
+        while self._preparing:
+            self._cond.wait()
+        spare, self._spare = self._spare, None
+        return spare
+
+    def _roll_segment(self) -> Segment:
+        """Open a fresh active segment. Caller holds ``_lock``."""
+        segment = self._take_spare()
+        if segment is None:
+            segment_id = self._next_segment_id
+            generation = self._take_lsn()
+            segment = self._new_segment(segment_id, generation)
+            self._next_segment_id += 1
+        segment_id, generation = segment.segment_id, segment.generation
+        self._spare_wanted.set()
         if self._active is not None:
             self._segment_states[self._active.segment_id].state = SEGMENT_SEALED
         self._segments[segment_id] = segment
@@ -938,6 +1010,18 @@ class KVStore:
         queue.read(segment.fd, entry.offset, buffer.view[:span], token)
         return buffer
 
+    def _read_one(self, entry: PageEntry) -> tuple[AlignedBuffer, int]:
+        segment = self._segments.get(entry.segment_id)
+        if segment is None:
+            raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
+        span = entry.span_bytes
+        buffer = self._buffers.acquire(span)
+        try:
+            result = os.preadv(segment.fd, [buffer.view[:span]], entry.offset)
+        except OSError as e:
+            result = -(e.errno or 5)
+        return buffer, result
+
     def _verify(self, key: bytes, entry: PageEntry, view: memoryview, result: int) -> memoryview:
         where = f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
         if result != entry.span_bytes:
@@ -1018,14 +1102,29 @@ class KVStore:
         queue = self._engine.queue()
         buffers: dict[int, AlignedBuffer] = {}
         error: KVStoreError | None = None
+        present = [index for index, (_, entry) in enumerate(wanted) if entry is not None]
+        if len(present) == 1:
+            # One page: a plain preadv (it releases the GIL) beats a ring round trip.
+            index = present[0]
+            key, entry = wanted[index]
+            assert entry is not None
+            buffer, result = self._read_one(entry)
+            try:
+                payload = self._verify(key, entry, buffer.view, result)
+                sink(index, payload)
+                results[index] = entry.payload_bytes
+            finally:
+                self._buffers.release(buffer)
+            present = []
         try:
-            for index, (_, entry) in enumerate(wanted):
-                if entry is None:
-                    continue
+            for index in present:
+                entry = wanted[index][1]
+                assert entry is not None
                 buffers[index] = self._submit_read(queue, entry, index)
             queue.submit()
             while queue.in_flight:
-                for index, result in queue.wait(queue.in_flight):
+                # Verify each page as it lands while the rest are still in flight.
+                for index, result in queue.wait(1):
                     key, entry = wanted[index]
                     assert entry is not None
                     buffer = buffers.pop(index)
@@ -1272,12 +1371,42 @@ class KVStore:
             self._pending.append(
                 encode_segment_free(self._take_lsn(), segment_id, state.generation)
             )
-        self.flush()  # the free is durable before the file goes
-        segment.close()
-        segment.path.unlink(missing_ok=True)
+        self.flush()  # the free is durable before the file goes or is reused
+        if not self._recycle(segment):
+            segment.close()
+            segment.path.unlink(missing_ok=True)
         with self._lock:
             self._counters["segments_freed"] += 1
         tally.segments_freed += 1
+        return True
+
+    def _recycle(self, segment: Segment) -> bool:
+        """Turn a freed segment's file into the spare (written extents are cheaper)."""
+        with self._cond:
+            if (
+                self._spare is not None
+                or self._preparing
+                or self._failed is not None
+                or self._next_lsn + 2 >= self._lease_until
+                or not self._spare_allowed()
+            ):
+                return False
+            self._preparing = True
+            segment_id = self._next_segment_id
+            self._next_segment_id += 1
+            generation = self._take_lsn()
+        spare: Segment | None = None
+        try:
+            spare = recycle_segment(
+                self.root, segment, segment_id, generation, store_uuid=self.superblock.store_uuid
+            )
+        except KVStoreError:
+            return False
+        finally:
+            with self._cond:
+                self._spare = spare
+                self._preparing = False
+                self._cond.notify_all()
         return True
 
     def _compact_sparse(self, tally: _GCTally) -> None:
