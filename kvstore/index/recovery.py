@@ -21,6 +21,8 @@ from kvstore.format.wal import (
     RetainBody,
     SegmentFreeBody,
     SegmentOpenBody,
+    WalBody,
+    WalRecord,
     decode_body,
 )
 from kvstore.index.lmdb_env import IndexEnv
@@ -131,14 +133,38 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
     chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
     recovered = Recovered(table, segments, lease, 0, checkpoint_lsn, next_segment_id, chain)
     recovered.retains = retains
-    for wal_file in chain:
+    decoded = [[(record, decode_body(record)) for record in wal_file.records] for wal_file in chain]
+    table.prefetch_for_replay(
+        {
+            body.put.key if isinstance(body, MoveBody) else body.key
+            for records in decoded
+            for _, body in records
+            if isinstance(body, PutBody | DeleteBody | MoveBody)
+        }
+    )
+    try:
+        _replay(recovered, chain, decoded)
+    finally:
+        table.end_replay()
+    # A WAL file's name and the checkpoint LSN are issued LSNs too: never reissue them.
+    issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
+    recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
+    return recovered
+
+
+def _replay(
+    recovered: Recovered,
+    chain: list[WalFile],
+    decoded: list[list[tuple[WalRecord, WalBody]]],
+) -> None:
+    table, segments, retains = recovered.table, recovered.segments, recovered.retains
+    for wal_file, records in zip(chain, decoded, strict=True):
         if wal_file.torn_tail:
             recovered.notes.append(
                 f"{wal_file.path.name}: torn tail at byte {wal_file.valid_end} "
                 f"({wal_file.torn_tail})"
             )
-        for record in wal_file.records:
-            body = decode_body(record)
+        for record, body in records:
             recovered.max_lsn_seen = max(recovered.max_lsn_seen, record.lsn)
             recovered.replayed_records += 1
             if isinstance(body, PutBody):
@@ -186,10 +212,6 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
                 recovered.next_segment_id = max(recovered.next_segment_id, body.segment_id + 1)
             elif isinstance(body, LsnLeaseBody):
                 recovered.lsn_lease = max(recovered.lsn_lease, body.lease_until)
-    # A WAL file's name and the checkpoint LSN are issued LSNs too: never reissue them.
-    issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
-    recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
-    return recovered
 
 
 def span_of(payload_bytes: int) -> int:

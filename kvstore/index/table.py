@@ -86,6 +86,9 @@ class PageTable:
         self.active: dict[bytes, Slot] = {}
         self.frozen: dict[bytes, Slot] | None = None
         self._epoch = 0
+        # Entries read ahead from LMDB for WAL replay (keys in sorted order, one
+        # transaction): replay then never pays a random LMDB lookup per record.
+        self._replay_base: dict[bytes, PageEntry | None] | None = None
         with env.read() as txn:
             self.page_count = env.get_meta(txn, META_PAGE_COUNT, 0)
 
@@ -99,11 +102,27 @@ class PageTable:
             if slot is None and frozen is not None:
                 slot = frozen.get(key)
             if slot is None:
+                base = self._replay_base
+                if base is not None and key in base:
+                    return base[key]
                 with self.env.read() as txn:
                     raw = txn.get(key, db=self.env.pages)
                 slot = None if raw is None else decode_page_entry(key, raw)
             if epoch == self._epoch:
                 return slot
+
+    def prefetch_for_replay(self, keys: set[bytes]) -> None:
+        """Read the checkpointed entries of ``keys`` in key order, in one transaction."""
+        base: dict[bytes, PageEntry | None] = {}
+        with self.env.read() as txn:
+            cursor = txn.cursor(db=self.env.pages)
+            for key in sorted(keys):
+                raw = cursor.get(key)
+                base[key] = None if raw is None else decode_page_entry(key, raw)
+        self._replay_base = base
+
+    def end_replay(self) -> None:
+        self._replay_base = None
 
     def get(self, key: bytes) -> PageEntry | None:
         slot = self._slot(key)
