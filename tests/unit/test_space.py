@@ -420,3 +420,19 @@ def test_pinned_readers_never_miss_while_gc_runs(open_store: OpenStore, policy: 
     assert pinned_reads[0] > 100
     assert sum(stats.evictions.values()) > 0 or stats.gc_bytes_copied > 0
     assert stats.segments <= 8
+
+
+def test_cost_store_evicts_cheap_to_recompute_pages_first(open_store: OpenStore) -> None:
+    store = capacity_store(open_store, "cost")
+    for index in range(20):
+        # even pages cover a long prefix (2000 tokens: expensive to recompute),
+        # odd pages a single token (cheap)
+        tokens = 2000 if index % 2 == 0 else 1
+        store.put(key(index), value(index), meta={"tokens": tokens})
+    order = record_evictions(store)
+    store.put(key(20), value(20), meta={"tokens": 1})
+    assert order, "no eviction happened"
+    # lowest score first: the cheap odd pages, oldest first, then the even ones
+    expected = [key(i) for i in range(1, 20, 2)] + [key(i) for i in range(0, 20, 2)]
+    assert order == expected[: len(order)]
+    assert len(order) > 10
