@@ -7,6 +7,9 @@ Exit codes (documented in README.md and docs/operations.md):
     3  the store is locked by another writer
     4  corruption was found
     8  operational error (I/O failure, missing store, bad format version)
+
+``fsck`` has its own codes, after e2fsck: 0 clean, 1 errors corrected,
+4 errors left uncorrected, 8 operational error (cannot open, lock held).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvstore.errors import CorruptionError, KVStoreError, LockedError
+from kvstore.check import Finding, check_path, check_store
+from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, LockedError
 from kvstore.format.names import SUPERBLOCK_NAME
 from kvstore.store import KVStore
 
@@ -140,6 +144,119 @@ def get(path: Path, key: str, output: Any) -> None:
     output.write(data)
 
 
+# -- fsck --------------------------------------------------------------------
+
+FSCK_CLEAN = 0
+FSCK_CORRECTED = 1
+FSCK_UNCORRECTED = 4
+FSCK_OPERATIONAL = 8
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--deep", is_flag=True, help="Also read every payload and verify its checksum.")
+@click.option("--repair", is_flag=True, help="Fix what is safe (opens the store for writing).")
+@click.option("--json", "as_json", is_flag=True, help="Print findings as a JSON list.")
+def fsck(path: Path, deep: bool, repair: bool, as_json: bool) -> None:
+    """Check the store at PATH for damage and inconsistency.
+
+    Opens the store read-only unless --repair. Finding kinds are explained in
+    docs/operations.md.
+
+    \b
+    Exit codes (as e2fsck):
+      0  no errors found
+      1  errors were found and all of them corrected
+      4  errors were left uncorrected
+      8  operational error: no store, lock held by a writer, I/O failure
+    """
+    try:
+        store = KVStore.open(path, readonly=not repair)
+    except (CorruptionError, FormatVersionError) as e:
+        # The store refuses to open: check what can be checked without opening it.
+        try:
+            findings = check_path(path, open_error=e)
+        except KVStoreError as inner:
+            err_console.print(f"[red]error:[/red] {inner}")
+            sys.exit(FSCK_OPERATIONAL)
+    except KVStoreError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        sys.exit(FSCK_OPERATIONAL)
+    else:
+        try:
+            with store:
+                findings = _run_fsck(store, deep=deep, repair=repair, quiet=as_json)
+        except KVStoreError as e:
+            err_console.print(f"[red]error:[/red] {e}")
+            sys.exit(FSCK_OPERATIONAL)
+    if as_json:
+        click.echo(json.dumps([finding.as_dict() for finding in findings], indent=2))
+    else:
+        _print_findings(path, findings)
+    sys.exit(fsck_exit_code(findings))
+
+
+def fsck_exit_code(findings: list[Finding]) -> int:
+    """e2fsck-style: 4 if an error is left, else 1 if anything was repaired, else 0."""
+    if any(f.severity == "error" and not f.repaired for f in findings):
+        return FSCK_UNCORRECTED
+    if any(f.repaired for f in findings):
+        return FSCK_CORRECTED
+    return FSCK_CLEAN
+
+
+def _run_fsck(store: KVStore, *, deep: bool, repair: bool, quiet: bool) -> list[Finding]:
+    findings = [_recovery_finding(note) for note in store.recovery_notes]
+    if not deep or quiet:
+        return findings + check_store(store, deep=deep, repair=repair)
+    with _progress(err_console) as progress:
+        task = progress.add_task("verify payloads", total=None)
+
+        def report(done_bytes: int, total_bytes: int) -> None:
+            progress.update(task, completed=done_bytes, total=total_bytes)
+
+        return findings + check_store(store, deep=True, repair=repair, progress=report)
+
+
+def _recovery_finding(note: str) -> Finding:
+    """What opening the store (a writer open, with --repair) already fixed."""
+    if note.startswith("removed orphan segment file"):
+        return Finding("error", "orphan-segment", note, repaired=True)
+    return Finding("warning", "recovery", note)
+
+
+def _print_findings(path: Path, findings: list[Finding]) -> None:
+    if not findings:
+        console.print(f"[green]clean[/green]: {path}")
+        return
+    table = Table(title=f"kvstore fsck {path}")
+    for column in ("severity", "kind", "where", "message", "repaired"):
+        table.add_column(column)
+    for finding in findings:
+        where = " ".join(
+            part
+            for part in (
+                f"key={finding.key!r}" if finding.key is not None else "",
+                f"segment={finding.segment_id}" if finding.segment_id is not None else "",
+                f"offset={finding.offset}" if finding.offset is not None else "",
+                finding.path or "" if finding.key is None and finding.segment_id is None else "",
+            )
+            if part
+        )
+        colour = "red" if finding.severity == "error" else "yellow"
+        table.add_row(
+            f"[{colour}]{finding.severity}[/{colour}]",
+            finding.kind,
+            where,
+            finding.message,
+            "yes" if finding.repaired else "no",
+        )
+    console.print(table)
+    errors = sum(1 for f in findings if f.severity == "error")
+    repaired = sum(1 for f in findings if f.repaired)
+    console.print(f"{errors} errors, {len(findings) - errors} warnings, {repaired} repaired")
+
+
 # -- demo --------------------------------------------------------------------
 
 _DEMO_SHAPE = (2, 8, 64, 128)  # K/V x heads x block tokens x head dim, fp16 = 256 KiB
@@ -154,14 +271,14 @@ def _demo_key(layer: int, block: int, prefix: str = "req0") -> str:
     return f"{prefix}/layer{layer:02d}/block{block:04d}"
 
 
-def _progress() -> Progress:
+def _progress(on: Console = console) -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=on,
     )
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -121,6 +121,9 @@ from kvstore.log.segments import (
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
 from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
+
+if TYPE_CHECKING:
+    from kvstore.check import Finding
 
 __all__ = ["KVStore"]
 
@@ -1723,6 +1726,23 @@ class KVStore:
             with self._cond:
                 self._freezing -= 1
                 self._cond.notify_all()
+
+    def check(
+        self,
+        *,
+        repair: bool = False,
+        deep: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Finding]:
+        """Check the store's consistency (``kvstore fsck`` runs this); see kvstore/check.py.
+
+        ``deep`` also verifies every payload checksum; ``repair`` fixes what is
+        safe to fix (accounting drift, orphan files, entries whose record is
+        gone) on a writable store and marks those findings ``repaired``.
+        """
+        from kvstore.check import check_store
+
+        return check_store(self, deep=deep, repair=repair, progress=progress)
 
     def __contains__(self, key: object) -> bool:
         self._check_open()

@@ -14,8 +14,10 @@ Mutations are serialised by the store's lock; lookups may run on any thread.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvstore.format.entries import (
@@ -112,7 +114,14 @@ class PageTable:
                 return slot
 
     def prefetch_for_replay(self, keys: set[bytes]) -> None:
-        """Read the checkpointed entries of ``keys`` in key order, in one transaction."""
+        """Read the checkpointed entries of ``keys`` in key order, in one transaction.
+
+        For a long replay, first ask the kernel to read the LMDB file ahead
+        (sequentially): on a cold page cache, one streaming read beats ~10^5
+        random B-tree page faults.
+        """
+        if len(keys) >= 10_000:
+            _read_ahead(self.env.path / "data.mdb")
         base: dict[bytes, PageEntry | None] = {}
         with self.env.read() as txn:
             cursor = txn.cursor(db=self.env.pages)
@@ -248,3 +257,29 @@ def load_retains(env: IndexEnv) -> set[bytes]:
             decode_meta_u64(key, raw_value)
             found.add(key)
     return found
+
+
+def _read_ahead(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size > _READ_AHEAD_LIMIT_BYTES:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            return
+        chunk = bytearray(4 << 20)
+        offset = 0
+        while offset < size:  # a streaming read fills the page cache in one pass
+            count = os.preadv(fd, [chunk], offset)
+            if count <= 0:
+                break
+            offset += count
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_READ_AHEAD_LIMIT_BYTES = 2 << 30

@@ -1,0 +1,804 @@
+"""fsck: verify every on-disk structure of a store against the others, and repair
+what is safe to repair.
+
+``check_store(store)`` takes an open ``KVStore`` and returns a list of
+``Finding``s; ``check_path(root)`` checks what can still be checked when the
+store refuses to open (superblock, LMDB values, the WAL chain). Both are the
+one implementation the CLI (``kvstore fsck``) and the tests use.
+
+What is checked (docs/operations.md lists every finding kind):
+
+- the superblock decodes and names this store;
+- every LMDB value (``pages``, ``segments``, ``meta``, ``retains``) passes its
+  own checksum;
+- every page-table entry (LMDB and the in-memory overlay) names an open
+  segment and lands on a record whose header checksum, key, segment, offset,
+  generation, LSN, length and payload checksum field match; ``deep=True``
+  also reads every payload and verifies its xxh3-64;
+- per-segment live bytes and pages equal what the page table implies;
+- no segment file is unknown to the index, no stray file sits in the store;
+- the WAL chain from ``checkpoint_lsn`` is whole and every record decodes;
+- every retained key is a live page.
+
+Invariants:
+- Checking never raises for damage it finds: damage is a Finding; only a
+  failure to run at all (closed store, read-only repair) raises KVStoreError.
+- Repairs are only the safe ones, and only with ``repair=True`` on a writable
+  store: page-table entries whose record is missing or corrupt are deleted
+  through the store (a logged DELETE), undecodable page-table values are
+  removed from LMDB, accounting drift is recomputed, orphan segment files,
+  WAL files below the checkpoint and dangling retains are dropped. Nothing
+  that could still hold a readable page is ever removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import lmdb
+
+from kvstore.errors import CorruptionError, KVStoreError, ReadOnlyError
+from kvstore.format.checksum import checksum
+from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE
+from kvstore.format.entries import PageEntry, decode_page_entry, decode_segment_entry
+from kvstore.format.names import (
+    INDEX_DIR,
+    LOCK_NAME,
+    SEGMENTS_DIR,
+    SUPERBLOCK_NAME,
+    WAL_DIR,
+    parse_segment_name,
+    parse_wal_name,
+)
+from kvstore.format.records import decode_record_header, decode_segment_header, decode_superblock
+from kvstore.format.wal import decode_body
+from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
+from kvstore.index.table import META_CHECKPOINT_LSN, META_PAGE_COUNT, Tombstone
+from kvstore.io.buffers import AlignedBuffer
+from kvstore.io.engine import run_all
+from kvstore.io.files import fsync_dir
+from kvstore.log.wal import list_wal_files, read_wal_chain
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
+
+__all__ = ["FINDING_KINDS", "Finding", "Progress", "check_path", "check_store"]
+
+Severity = Literal["error", "warning"]
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as a deep check reads payloads."""
+
+FINDING_KINDS = (
+    "superblock",
+    "index-unreadable",
+    "index-value",
+    "index-meta",
+    "missing-segment",
+    "segment-header",
+    "record-bounds",
+    "record-unreadable",
+    "record-header",
+    "record-mismatch",
+    "payload-checksum",
+    "accounting",
+    "orphan-segment",
+    "stray-file",
+    "stale-wal",
+    "wal-chain",
+    "wal-record",
+    "retain-dangling",
+    "open-failed",
+    "recovery",
+)
+"""Every ``Finding.kind``; each is explained in docs/operations.md."""
+
+_HEADER_BATCH = 256  # header blocks read per batch (1 MiB)
+_DEEP_BATCH_BYTES = 32 << 20  # record bytes read per batch with deep=True
+_INDEX_FILES = frozenset({"data.mdb", "lock.mdb"})
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem fsck found. Owned by the caller.
+
+    ``kind`` is a short machine name (``FINDING_KINDS``); the location fields
+    say where, when they apply. ``repaired`` is True when this check fixed it.
+    """
+
+    severity: Severity
+    kind: str
+    message: str
+    path: str | None = None
+    segment_id: int | None = None
+    offset: int | None = None
+    key: bytes | None = None
+    repaired: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: the key as text (undecodable bytes escaped) and as hex."""
+        return {
+            "severity": self.severity,
+            "kind": self.kind,
+            "message": self.message,
+            "path": self.path,
+            "segment_id": self.segment_id,
+            "offset": self.offset,
+            "key": None if self.key is None else self.key.decode("utf-8", "backslashreplace"),
+            "key_hex": None if self.key is None else self.key.hex(),
+            "repaired": self.repaired,
+        }
+
+
+@dataclass(slots=True)
+class _Run:
+    store: KVStore
+    deep: bool
+    repair: bool
+    progress: Progress | None
+    findings: list[Finding] = field(default_factory=list)
+
+    def add(self, severity: Severity, kind: str, message: str, **where: Any) -> Finding:
+        finding = Finding(severity, kind, message, **where)
+        self.findings.append(finding)
+        return finding
+
+
+def check_store(
+    store: KVStore,
+    *,
+    deep: bool = False,
+    repair: bool = False,
+    progress: Progress | None = None,
+) -> list[Finding]:
+    """Check an open store; with ``repair=True`` (writable stores only) fix the safe things.
+
+    Returns every finding, repaired ones marked ``repaired=True``. Raises
+    ``ReadOnlyError`` for ``repair=True`` on a read-only store and
+    ``ClosedError`` on a closed one; damage never raises.
+    """
+    store._check_open()
+    if repair and store.readonly:
+        raise ReadOnlyError(f"store {store.root} was opened read-only; fsck cannot repair it")
+    run = _Run(store, deep, repair, progress)
+    run.findings.extend(_check_superblock(store.root, store.superblock.store_uuid))
+    bad_page_keys = _check_index_values(run)
+    _check_segment_headers(run)
+    _check_records(run, bad_page_keys)
+    _check_accounting(run)
+    _check_files(run)
+    _check_wal(run)
+    _check_retains(run)
+    return run.findings
+
+
+def check_path(
+    root: str | os.PathLike[str], open_error: BaseException | None = None
+) -> list[Finding]:
+    """Check a store that cannot be opened: superblock, LMDB values, the WAL chain.
+
+    Never repairs. ``open_error`` (why the open failed) is reported as an
+    ``open-failed`` finding. Raises ``AlreadyOpenError`` if this process has
+    the store open.
+    """
+    root = Path(root)
+    findings: list[Finding] = []
+    if open_error is not None:
+        findings.append(
+            Finding("error", "open-failed", f"the store refuses to open: {open_error}", str(root))
+        )
+    findings.extend(_check_superblock(root, None))
+    try:
+        superblock = decode_superblock((root / SUPERBLOCK_NAME).read_bytes())
+    except (KVStoreError, OSError):
+        return findings
+    try:
+        env = IndexEnv(root / INDEX_DIR, readonly=True)
+    except CorruptionError as e:
+        findings.append(Finding("error", "index-unreadable", str(e), str(root / INDEX_DIR)))
+        return findings
+    try:
+        values, _ = _scan_index(env, root)
+        findings.extend(values)
+        try:
+            with env.read() as txn:
+                checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+        except (CorruptionError, lmdb.Error):
+            return findings  # already reported by the scan
+    finally:
+        env.close()
+    if checkpoint_lsn:
+        findings.extend(_wal_findings(root, superblock.store_uuid, checkpoint_lsn))
+    return findings
+
+
+# -- superblock -----------------------------------------------------------------
+
+
+def _check_superblock(root: Path, store_uuid: bytes | None) -> list[Finding]:
+    path = root / SUPERBLOCK_NAME
+    try:
+        superblock = decode_superblock(path.read_bytes())
+    except OSError as e:
+        return [Finding("error", "superblock", f"cannot read the superblock: {e}", str(path))]
+    except KVStoreError as e:
+        return [Finding("error", "superblock", str(e), str(path))]
+    if store_uuid is not None and superblock.store_uuid != store_uuid:
+        return [Finding("error", "superblock", "superblock names another store", str(path))]
+    return []
+
+
+# -- LMDB values ------------------------------------------------------------------
+
+
+def _scan_index(env: IndexEnv, root: Path) -> tuple[list[Finding], set[bytes]]:
+    """Decode every value of every database; returns findings and bad page keys."""
+    findings: list[Finding] = []
+    bad_page_keys: set[bytes] = set()
+    where = str(root / INDEX_DIR)
+
+    def bad(message: str, key: bytes | None = None) -> None:
+        findings.append(Finding("error", "index-value", message, where, key=key))
+
+    try:
+        with env.read() as txn:
+            for raw_key, raw_value in txn.cursor(db=env.pages):
+                key = bytes(raw_key)
+                try:
+                    decode_page_entry(key, bytes(raw_value))
+                except CorruptionError as e:
+                    bad(str(e), key)
+                    bad_page_keys.add(key)
+            for raw_key, raw_value in txn.cursor(db=env.segments):
+                segment_id = int.from_bytes(raw_key, "big")
+                if len(raw_key) != 8:
+                    bad(f"segment table has a malformed key {bytes(raw_key)!r}")
+                    continue
+                try:
+                    decode_segment_entry(segment_id, bytes(raw_value))
+                except CorruptionError as e:
+                    bad(str(e))
+            for database, name in ((env.meta, "meta"), (env.retains, "retains")):
+                for raw_key, raw_value in txn.cursor(db=database):
+                    key = bytes(raw_key)
+                    try:
+                        decode_meta_u64(key, bytes(raw_value))
+                    except CorruptionError as e:
+                        bad(f"{name}: {e}", key)
+            if txn.get(META_CHECKPOINT_LSN, db=env.meta) is None:
+                findings.append(
+                    Finding("error", "index-meta", "the index has no checkpoint_lsn", where)
+                )
+    except lmdb.Error as e:
+        findings.append(Finding("error", "index-unreadable", f"LMDB read failed: {e}", where))
+    return findings, bad_page_keys
+
+
+def _check_index_values(run: _Run) -> set[bytes]:
+    store = run.store
+    findings, bad_page_keys = _scan_index(store._env, store.root)
+    overlay = _overlay(store)
+    for finding in findings:
+        key = finding.key
+        if key is not None and key in bad_page_keys and key in overlay:
+            # The overlay shadows it and the next checkpoint rewrites or deletes it.
+            run.add(
+                "warning",
+                "index-value",
+                f"{finding.message} (shadowed by a newer change; the next checkpoint rewrites it)",
+                path=finding.path,
+                key=key,
+            )
+            continue
+        if key is not None and key in bad_page_keys and run.repair:
+            finding = _drop_index_value(run, key, finding)
+        run.findings.append(finding)
+    return {key for key in bad_page_keys if key not in overlay}
+
+
+def _drop_index_value(run: _Run, key: bytes, finding: Finding) -> Finding:
+    """Remove an undecodable page-table value from LMDB (its page cannot be located)."""
+    store = run.store
+    env = store._env
+    with _writers_held(store):
+        if key in _overlay(store):
+            return finding
+
+        def body(txn: Any) -> bool:
+            if not txn.delete(key, db=env.pages):
+                return False
+            txn.delete(key, db=env.retains)
+            raw = txn.get(META_PAGE_COUNT, db=env.meta)
+            if raw is not None:
+                count = max(0, decode_meta_u64(META_PAGE_COUNT, bytes(raw)) - 1)
+                txn.put(META_PAGE_COUNT, encode_meta_u64(META_PAGE_COUNT, count), db=env.meta)
+            return True
+
+        try:
+            removed = env.write(body)
+        except KVStoreError as e:
+            return _replace(finding, message=f"{finding.message}; repair failed: {e}")
+        if removed:
+            with store._lock:
+                store._table.page_count -= 1
+                store._retains.discard(key)
+    return _replace(finding, message=f"{finding.message}; entry removed", repaired=removed)
+
+
+def _replace(finding: Finding, **changes: Any) -> Finding:
+    values = {name: getattr(finding, name) for name in Finding.__dataclass_fields__}
+    values.update(changes)
+    return Finding(**values)
+
+
+def _overlay(store: KVStore) -> dict[bytes, PageEntry | Tombstone]:
+    table = store._table
+    with store._lock:
+        merged: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
+        merged.update(table.active)
+    return merged
+
+
+def _live_entries(store: KVStore) -> Iterator[tuple[bytes, PageEntry]]:
+    """Every live entry (LMDB merged with the overlay), skipping undecodable values."""
+    overlay = _overlay(store)
+    env = store._env
+    with env.read() as txn:
+        for raw_key, raw_value in txn.cursor(db=env.pages):
+            key = bytes(raw_key)
+            if key in overlay:
+                continue
+            try:
+                entry = decode_page_entry(key, bytes(raw_value))
+            except CorruptionError:
+                continue
+            yield key, entry
+    for key, slot in overlay.items():
+        if isinstance(slot, PageEntry):
+            yield key, slot
+
+
+@contextlib.contextmanager
+def _writers_held(store: KVStore) -> Iterator[None]:
+    """Hold GC and new writes still (as ``gc(full=True)`` does) on a writable store."""
+    if store.readonly:
+        yield
+        return
+    with store._gc_lock:
+        with store._cond:
+            store._freezing += 1
+            while store._inflight:
+                store._cond.wait()
+        try:
+            yield
+        finally:
+            with store._cond:
+                store._freezing -= 1
+                store._cond.notify_all()
+
+
+# -- segments and records -----------------------------------------------------------
+
+
+def _check_segment_headers(run: _Run) -> None:
+    store = run.store
+    with store._lock:
+        segments = [
+            (segment_id, segment, store._segment_states.get(segment_id))
+            for segment_id, segment in store._segments.items()
+        ]
+    for segment_id, segment, state in segments:
+        path = str(segment.path)
+        if state is None:
+            run.add(
+                "error",
+                "missing-segment",
+                f"segment {segment_id} is open but not in the segment table",
+                path=path,
+                segment_id=segment_id,
+            )
+            continue
+        block = AlignedBuffer(BLOCK_BYTES)
+        try:
+            count = os.preadv(segment.fd, [block.view], 0)
+            if count != BLOCK_BYTES:
+                raise CorruptionError(f"segment header: short read ({count} bytes)")
+            header = decode_segment_header(block.view)
+        except OSError as e:
+            run.add(
+                "error", "segment-header", f"cannot read: {e}", path=path, segment_id=segment_id
+            )
+            continue
+        except KVStoreError as e:
+            run.add("error", "segment-header", str(e), path=path, segment_id=segment_id)
+            continue
+        if (
+            header.store_uuid != store.superblock.store_uuid
+            or header.segment_id != segment_id
+            or header.generation != state.generation
+        ):
+            run.add(
+                "error",
+                "segment-header",
+                f"header says id {header.segment_id} generation {header.generation}, the "
+                f"index says {segment_id}/{state.generation} (or another store's uuid)",
+                path=path,
+                segment_id=segment_id,
+            )
+
+
+@dataclass(slots=True)
+class _Target:
+    key: bytes
+    entry: PageEntry
+    fd: int
+
+
+def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
+    """Read the record of every page-table entry and compare it with the entry."""
+    store = run.store
+    targets: list[_Target] = []
+    to_delete: list[tuple[bytes, PageEntry, Finding]] = []
+    held: Counter[int] = Counter()
+    try:
+        for key, entry in _live_entries(store):
+            where = {"segment_id": entry.segment_id, "offset": entry.offset, "key": key}
+            with store._lock:
+                segment = store._segments.get(entry.segment_id)
+                state = store._segment_states.get(entry.segment_id)
+                if segment is not None and state is not None:
+                    store._segment_readers[entry.segment_id] += 1
+                    held[entry.segment_id] += 1
+            if segment is None or state is None or state.generation != entry.generation:
+                finding = _record_finding(
+                    run,
+                    "missing-segment",
+                    f"page {key!r} names segment {entry.segment_id} generation "
+                    f"{entry.generation}, which the store does not have",
+                    where,
+                )
+                if finding is not None:
+                    to_delete.append((key, entry, finding))
+                continue
+            end = entry.offset + entry.span_bytes
+            if entry.offset % BLOCK_BYTES or entry.offset < BLOCK_BYTES or end > segment.size_bytes:
+                finding = _record_finding(
+                    run,
+                    "record-bounds",
+                    f"page {key!r} at offset {entry.offset} (+{entry.span_bytes}) does not fit "
+                    f"segment {entry.segment_id} of {segment.size_bytes} bytes",
+                    where,
+                )
+                if finding is not None:
+                    to_delete.append((key, entry, finding))
+                continue
+            if end > state.head_bytes:
+                run.add(
+                    "error",
+                    "record-bounds",
+                    f"page {key!r} ends at {end}, past segment {entry.segment_id}'s head "
+                    f"{state.head_bytes}",
+                    path=str(segment.path),
+                    **where,
+                )
+            targets.append(_Target(key, entry, segment.fd))
+        for key, entry, finding in _verify_targets(run, targets):
+            to_delete.append((key, entry, finding))
+    finally:
+        with store._lock:
+            for segment_id, count in held.items():
+                for _ in range(count):
+                    store._release_reader(segment_id)
+    del bad_page_keys  # reported (and repaired) by _check_index_values
+    for key, entry, finding in to_delete:
+        repaired = False
+        if run.repair and store._table.get(key) == entry:
+            try:
+                repaired = store.delete(key)
+            except KVStoreError as e:
+                finding = _replace(finding, message=f"{finding.message}; repair failed: {e}")
+        run.findings.append(_replace(finding, repaired=repaired) if repaired else finding)
+
+
+def _record_finding(run: _Run, kind: str, message: str, where: dict[str, Any]) -> Finding | None:
+    """A finding for a bad record, unless the entry changed meanwhile (a live writer)."""
+    key = where["key"]
+    current = run.store._table.get(key)
+    if current is None or (current.segment_id, current.offset) != (
+        where["segment_id"],
+        where["offset"],
+    ):
+        return None
+    return Finding("error", kind, message, **where)
+
+
+def _verify_targets(
+    run: _Run, targets: list[_Target]
+) -> Iterator[tuple[bytes, PageEntry, Finding]]:
+    store = run.store
+    queue = store._engine.queue("fsck")
+    total = sum(target.entry.span_bytes for target in targets) if run.deep else 0
+    done = 0
+    if run.progress is not None and run.deep:
+        run.progress(0, total)
+    start = 0
+    while start < len(targets):
+        batch: list[_Target] = []
+        batch_bytes = 0
+        while start < len(targets):
+            target = targets[start]
+            size = target.entry.span_bytes if run.deep else BLOCK_BYTES
+            if batch and (
+                len(batch) >= _HEADER_BATCH or (run.deep and batch_bytes + size > _DEEP_BATCH_BYTES)
+            ):
+                break
+            batch.append(target)
+            batch_bytes += size
+            start += 1
+        buffers = [
+            AlignedBuffer(target.entry.span_bytes if run.deep else BLOCK_BYTES) for target in batch
+        ]
+        requests = [
+            ("r", target.fd, target.entry.offset, buffer.view[: buffer.capacity])
+            for target, buffer in zip(batch, buffers, strict=True)
+        ]
+        results = run_all(queue, requests)
+        for target, buffer, result in zip(batch, buffers, results, strict=True):
+            problem = _record_problem(run, target, buffer.view, result, buffer.capacity)
+            if problem is not None:
+                kind, message = problem
+                where = {
+                    "segment_id": target.entry.segment_id,
+                    "offset": target.entry.offset,
+                    "key": target.key,
+                }
+                finding = _record_finding(run, kind, message, where)
+                if finding is not None:
+                    yield target.key, target.entry, finding
+        if run.deep:
+            done += batch_bytes
+            if run.progress is not None:
+                run.progress(done, total)
+
+
+def _record_problem(
+    run: _Run, target: _Target, view: memoryview, result: int, wanted: int
+) -> tuple[str, str] | None:
+    key, entry = target.key, target.entry
+    where = f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
+    if result != wanted:
+        if result < 0:
+            return "record-unreadable", f"{where}: read failed: {os.strerror(-result)}"
+        return "record-unreadable", f"{where}: short read ({result} of {wanted} bytes)"
+    try:
+        header = decode_record_header(view, max_page_bytes=run.store.config.max_page_bytes)
+    except KVStoreError as e:
+        return "record-header", f"{where}: {e}"
+    mismatched = [
+        name
+        for name, seen, expected in (
+            ("record type", header.record_type, RECORD_PAGE),
+            ("key", header.key, key),
+            ("segment", header.segment_id, entry.segment_id),
+            ("offset", header.offset, entry.offset),
+            ("generation", header.generation, entry.generation),
+            ("lsn", header.lsn, entry.lsn),
+            ("length", header.payload_bytes, entry.payload_bytes),
+            ("payload checksum field", header.payload_checksum, entry.payload_checksum),
+            ("meta", header.meta, entry.meta),
+        )
+        if seen != expected
+    ]
+    if mismatched:
+        return "record-mismatch", (
+            f"{where}: the record there does not match the index ({', '.join(mismatched)}; "
+            f"it says key {header.key!r}, segment {header.segment_id}, offset {header.offset}, "
+            f"lsn {header.lsn})"
+        )
+    if run.deep:
+        payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
+        if checksum(payload) != entry.payload_checksum:
+            return "payload-checksum", f"{where}: payload checksum mismatch"
+    return None
+
+
+# -- accounting --------------------------------------------------------------------
+
+
+def _check_accounting(run: _Run) -> None:
+    store = run.store
+    with _writers_held(store):
+        live: Counter[int] = Counter()
+        pages: Counter[int] = Counter()
+        try:
+            for _, entry in _live_entries(store):
+                live[entry.segment_id] += entry.span_bytes
+                pages[entry.segment_id] += 1
+        except lmdb.Error:
+            return  # reported as index-unreadable
+        with store._lock:
+            for segment_id, state in sorted(store._segment_states.items()):
+                if state.live_bytes == live[segment_id] and state.live_pages == pages[segment_id]:
+                    continue
+                message = (
+                    f"segment {segment_id} accounts {state.live_bytes} live bytes in "
+                    f"{state.live_pages} pages; the page table holds {live[segment_id]} bytes "
+                    f"in {pages[segment_id]} pages"
+                )
+                if run.repair:
+                    state.live_bytes = live[segment_id]
+                    state.live_pages = pages[segment_id]
+                run.add("error", "accounting", message, segment_id=segment_id, repaired=run.repair)
+
+
+# -- files -------------------------------------------------------------------------
+
+
+def _check_files(run: _Run) -> None:
+    store = run.store
+    root = store.root
+    expected_top = {SUPERBLOCK_NAME, LOCK_NAME, SEGMENTS_DIR, WAL_DIR, INDEX_DIR}
+    with _writers_held(store), store._cond:
+        while store._preparing:
+            store._cond.wait()
+        spare = store._spare
+        spare_id = spare.segment_id if spare is not None else None
+        known = set(store._segment_states)
+        # A live writer beside a read-only open makes segments (and a spare) after
+        # the open; their ids are at or past this open's next_segment_id.
+        next_id = store._next_segment_id if _writer_may_be_live(store) else None
+        orphans: list[tuple[int, Path]] = []
+        try:
+            for entry in os.scandir(root / SEGMENTS_DIR):
+                segment_id = parse_segment_name(entry.name)
+                if segment_id is None:
+                    run.add(
+                        "warning", "stray-file", f"unexpected file {entry.name}", path=entry.path
+                    )
+                elif (
+                    segment_id not in known
+                    and segment_id != spare_id
+                    and (next_id is None or segment_id < next_id)
+                ):
+                    orphans.append((segment_id, Path(entry.path)))
+        except OSError as e:
+            run.add("error", "stray-file", f"cannot list {root / SEGMENTS_DIR}: {e}")
+        for segment_id, path in orphans:
+            repaired = False
+            if run.repair:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                repaired = True
+            run.add(
+                "error",
+                "orphan-segment",
+                f"segment file {path.name} is not in the segment table (no page can point into it)",
+                path=str(path),
+                segment_id=segment_id,
+                repaired=repaired,
+            )
+    if any(finding.kind == "orphan-segment" and finding.repaired for finding in run.findings):
+        fsync_dir(root / SEGMENTS_DIR)
+    _stray(run, root, expected_top, lambda name: False)
+    _stray(run, root / WAL_DIR, set(), lambda name: parse_wal_name(name) is not None)
+    _stray(run, root / INDEX_DIR, set(_INDEX_FILES), lambda name: False)
+
+
+def _writer_may_be_live(store: KVStore) -> bool:
+    """For a read-only open: whether the pid in LOCK (the last writer) still runs."""
+    if not store.readonly:
+        return False
+    try:
+        pid = int((store.root / LOCK_NAME).read_text().strip() or "0")
+    except (OSError, ValueError):
+        return True  # cannot tell: be conservative
+    if pid <= 0 or pid == os.getpid():
+        return False  # this process cannot hold a writer beside its read-only open
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _stray(run: _Run, directory: Path, allowed: set[str], ok: Callable[[str], bool]) -> None:
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        run.add("error", "stray-file", f"cannot list {directory}: {e}", path=str(directory))
+        return
+    for name in names:
+        if name not in allowed and not ok(name):
+            run.add("warning", "stray-file", f"unexpected file {name}", path=str(directory / name))
+
+
+# -- WAL ----------------------------------------------------------------------------
+
+
+def _check_wal(run: _Run) -> None:
+    store = run.store
+    root = store.root
+    lock = store._checkpoint_lock if not store.readonly else contextlib.nullcontext()
+    with lock:
+        checkpoint_lsn = store._checkpoint_lsn
+        run.findings.extend(_wal_findings(root, store.superblock.store_uuid, checkpoint_lsn))
+        try:
+            stale = [
+                (first, path) for first, path in list_wal_files(root) if first < checkpoint_lsn
+            ]
+        except OSError:
+            stale = []
+        for _, path in stale:
+            repaired = False
+            if run.repair:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                repaired = True
+            run.add(
+                "warning",
+                "stale-wal",
+                f"WAL file {path.name} is older than the checkpoint ({checkpoint_lsn:016x})",
+                path=str(path),
+                repaired=repaired,
+            )
+
+
+def _wal_findings(root: Path, store_uuid: bytes, checkpoint_lsn: int) -> list[Finding]:
+    findings: list[Finding] = []
+    try:
+        chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
+    except KVStoreError as e:
+        return [Finding("error", "wal-chain", str(e), str(root / WAL_DIR))]
+    except OSError as e:
+        return [Finding("error", "wal-chain", f"cannot read the WAL: {e}", str(root / WAL_DIR))]
+    for wal_file in chain:
+        for record in wal_file.records:
+            try:
+                decode_body(record)
+            except KVStoreError as e:
+                findings.append(
+                    Finding(
+                        "error",
+                        "wal-record",
+                        f"{wal_file.path.name}: {e}",
+                        str(wal_file.path),
+                        offset=record.end_offset,
+                    )
+                )
+    return findings
+
+
+# -- retains -------------------------------------------------------------------------
+
+
+def _check_retains(run: _Run) -> None:
+    store = run.store
+    with store._lock:
+        retained = sorted(store._retains)
+    for key in retained:
+        try:
+            live = store._table.get(key) is not None
+        except CorruptionError:
+            continue  # an undecodable entry, reported as index-value
+        if live:
+            continue
+        repaired = False
+        if run.repair:
+            try:
+                repaired = store.release(key)
+            except KVStoreError:
+                repaired = False
+        run.add(
+            "error",
+            "retain-dangling",
+            f"retained key {key!r} is not a live page",
+            key=key,
+            repaired=repaired,
+        )
