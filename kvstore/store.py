@@ -1158,7 +1158,31 @@ class KVStore:
 
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
-        return self.get_many([key])[0]
+        self._check_open()
+        wanted = [self._entry(key)]
+        self._hold(wanted)
+        raw, entry = wanted[0]
+        data: bytes | None = None
+        try:
+            if entry is not None:
+                # The latency path: one preadv, no ring, no per-batch bookkeeping.
+                buffer, result = self._read_one(entry)
+                try:
+                    data = bytes(self._verify(raw, entry, buffer.view, result))
+                finally:
+                    self._buffers.release(buffer)
+        finally:
+            with self._lock:
+                if entry is not None:
+                    self._release_reader(entry.segment_id)
+                self._counters["gets"] += 1
+                if data is None:
+                    self._counters["misses"] += 1
+                else:
+                    self._counters["hits"] += 1
+                    self._counters["bytes_read"] += len(data)
+                    self._policy.on_read(raw)
+        return data
 
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
