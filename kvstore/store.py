@@ -1512,7 +1512,11 @@ class KVStore:
             tried.add(victim)
 
             def evict(key: bytes) -> bool:
-                return key not in self._retains and not self._policy.keep(key)
+                # A pinned key's current version may live here while the pin holds an
+                # older one elsewhere: relocate it too, so a pinned reader never misses.
+                if key in self._retains or key in self._pins:
+                    return False
+                return not self._policy.keep(key)
 
             if self._empty_segment(victim, tally, evict=evict) and self._free_segment(
                 victim, tally
