@@ -257,6 +257,57 @@ def _print_findings(path: Path, findings: list[Finding]) -> None:
     console.print(f"{errors} errors, {len(findings) - errors} warnings, {repaired} repaired")
 
 
+# -- recover -----------------------------------------------------------------
+
+RECOVER_OK = 0
+RECOVER_LOST = 4
+RECOVER_OPERATIONAL = 8
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--salvage", is_flag=True, help="Also keep the newest unvouched version of a key.")
+@click.option(
+    "--dry-run", is_flag=True, help="Report what would be kept and dropped; change nothing."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report (with lists) as JSON.")
+def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
+    """Rebuild the index and WAL of the store at PATH from its segments.
+
+    For a store whose WAL or LMDB index is damaged or missing. Rules, and what
+    each drop reason means, are in docs/operations.md ("recover").
+
+    \b
+    Exit codes:
+      0  recovered; nothing dropped except superseded, deleted or freed records
+      4  recovered, but records were dropped as corrupt or unvouched, or an
+         index entry named a missing record: pages may have to be recomputed
+      8  operational error: no or invalid superblock, writer lock held, I/O failure
+    """
+    from kvstore.recover import recover_store
+
+    try:
+        report = recover_store(path, salvage=salvage, dry_run=dry_run)
+    except KVStoreError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        sys.exit(RECOVER_OPERATIONAL)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        verb = "would keep" if dry_run else "kept"
+        console.print(
+            f"{'dry run: ' if dry_run else ''}{path}: {verb} {len(report.kept)} pages "
+            f"{report.kept_by_source or ''}; dropped {len(report.dropped)} records "
+            f"{report.dropped_by_reason or ''}; index was {report.index_state}; "
+            f"new checkpoint LSN {report.new_checkpoint_lsn}"
+        )
+        for note in report.notes:
+            console.print(f"  note: {note}")
+        if report.moved_aside:
+            console.print(f"  moved aside: {', '.join(report.moved_aside)}")
+    sys.exit(RECOVER_LOST if report.lost else RECOVER_OK)
+
+
 # -- demo --------------------------------------------------------------------
 
 _DEMO_SHAPE = (2, 8, 64, 128)  # K/V x heads x block tokens x head dim, fp16 = 256 KiB
