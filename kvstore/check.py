@@ -684,9 +684,14 @@ def _check_files(run: _Run) -> None:
             )
     if any(finding.kind == "orphan-segment" and finding.repaired for finding in run.findings):
         fsync_dir(root / SEGMENTS_DIR)
-    _stray(run, root, expected_top, lambda name: False)
+    _stray(run, root, expected_top, _left_by_recover)
     _stray(run, root / WAL_DIR, set(), lambda name: parse_wal_name(name) is not None)
     _stray(run, root / INDEX_DIR, set(_INDEX_FILES), lambda name: False)
+
+
+def _left_by_recover(name: str) -> bool:
+    """``kvstore recover`` keeps what it replaced as ``*.damaged-<ts>`` (for forensics)."""
+    return ".damaged-" in name
 
 
 def _writer_may_be_live(store: KVStore) -> bool:
