@@ -112,7 +112,7 @@ def stat(path: Path, as_json: bool) -> None:
 
 
 def _human(name: str, value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and name.endswith("bytes"):
+    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in name:
         return f"{value:,} ({value / (1 << 20):,.1f} MiB)"
     return str(value)
 

@@ -1810,7 +1810,9 @@ class KVStore:
             active = self._active.segment_id if self._active is not None else 0
             overlay = len(self._table.active) + len(self._table.frozen or {})
             live = sum(state.live_bytes for state in self._segment_states.values())
-            used = sum(state.head_bytes for state in self._segment_states.values())
+            used = sum(  # record bytes written so far (the header block is not garbage)
+                state.head_bytes - BLOCK_BYTES for state in self._segment_states.values()
+            )
             by_state = {"active": 0, "sealed": 0}
             for state in self._segment_states.values():
                 by_state["active" if state.state == SEGMENT_ACTIVE else "sealed"] += 1
