@@ -511,6 +511,13 @@ class KVStore:
                 f"the writer stopped after an earlier failure ({self._failed}); reopen the store"
             )
 
+    def _wait_writable(self) -> None:
+        """Raise unless writes are allowed; wait out a checkpoint's freeze. Holds ``_cond``."""
+        self._check_writable()
+        while self._freezing:
+            self._cond.wait()
+            self._check_writable()
+
     def _fail(self, error: WriterFailedError) -> WriterFailedError:
         with self._lock:
             if self._failed is None:
@@ -568,19 +575,10 @@ class KVStore:
             self._spare_wanted.wait(0.5)
             self._spare_wanted.clear()
             with self._cond:
-                if (
-                    self._spare is not None
-                    or self._preparing
-                    or self._failed is not None
-                    or self._stop.is_set()
-                    or self._next_lsn + 2 >= self._lease_until
-                    or not self._spare_allowed()
-                ):
-                    continue
-                self._preparing = True
-                segment_id = self._next_segment_id
-                self._next_segment_id += 1
-                generation = self._take_lsn()
+                claimed = None if self._stop.is_set() else self._claim_spare()
+            if claimed is None:
+                continue
+            segment_id, generation = claimed
             spare: Segment | None = None
             try:
                 spare = self._new_segment(segment_id, generation)
@@ -591,6 +589,23 @@ class KVStore:
                     self._spare = spare
                     self._preparing = False
                     self._cond.notify_all()
+
+    def _claim_spare(self) -> tuple[int, int] | None:
+        """(id, generation) for a new spare, or None if one exists, is being made, or
+        must not be made now (failed writer, lease exhausted, capacity). Holds ``_cond``;
+        the caller must end with ``_preparing = False`` and notify."""
+        if (
+            self._spare is not None
+            or self._preparing
+            or self._failed is not None
+            or self._next_lsn + 2 >= self._lease_until
+            or not self._spare_allowed()
+        ):
+            return None
+        self._preparing = True
+        segment_id = self._next_segment_id
+        self._next_segment_id += 1
+        return segment_id, self._take_lsn()
 
     def _take_spare(self) -> Segment | None:
         """The prepared spare, waiting if one is being made. Caller holds ``_lock``."""
@@ -863,10 +878,7 @@ class KVStore:
         """Delete ``key``; True if it was present. Durable like a plain put."""
         raw = _key_bytes(key)
         with self._cond:
-            self._check_writable()
-            while self._freezing:
-                self._cond.wait()
-                self._check_writable()
+            self._wait_writable()
             if self._table.get(raw) is None:
                 return False
             if self._next_lsn + 2 >= self._lease_until:
@@ -1293,10 +1305,7 @@ class KVStore:
         raw = _key_bytes(key)
         while True:
             with self._cond:
-                self._check_writable()
-                while self._freezing:
-                    self._cond.wait()
-                    self._check_writable()
+                self._wait_writable()
                 if retained and self._table.get(raw) is None:
                     return False
                 if (raw in self._retains) == retained:
@@ -1410,18 +1419,10 @@ class KVStore:
     def _recycle(self, segment: Segment) -> bool:
         """Turn a freed segment's file into the spare (written extents are cheaper)."""
         with self._cond:
-            if (
-                self._spare is not None
-                or self._preparing
-                or self._failed is not None
-                or self._next_lsn + 2 >= self._lease_until
-                or not self._spare_allowed()
-            ):
-                return False
-            self._preparing = True
-            segment_id = self._next_segment_id
-            self._next_segment_id += 1
-            generation = self._take_lsn()
+            claimed = self._claim_spare()
+        if claimed is None:
+            return False
+        segment_id, generation = claimed
         spare: Segment | None = None
         try:
             spare = recycle_segment(
@@ -1549,10 +1550,7 @@ class KVStore:
         """Evict a page if it is still ``entry`` and unprotected; logged like a delete."""
         while True:
             with self._cond:
-                self._check_writable()
-                while self._freezing:
-                    self._cond.wait()
-                    self._check_writable()
+                self._wait_writable()
                 if self._table.get(key) != entry or key in self._pins or key in self._retains:
                     return False
                 if self._next_lsn + 2 < self._lease_until:
