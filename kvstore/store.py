@@ -1407,7 +1407,8 @@ class KVStore:
             self._pending.append(
                 encode_segment_free(self._take_lsn(), segment_id, state.generation)
             )
-        self.flush()  # the free is durable before the file goes or is reused
+        with self._commit_lock:  # not flush(): close() may have begun; the free must land
+            self._commit_locked()  # durable before the file goes or is reused
         if not self._recycle(segment):
             segment.close()
             segment.path.unlink(missing_ok=True)
@@ -1547,22 +1548,23 @@ class KVStore:
                 return
 
     def _evict_entry(self, key: bytes, entry: PageEntry, tally: _GCTally) -> bool:
-        """Evict a page if it is still ``entry`` and unprotected; logged like a delete."""
-        while True:
-            with self._cond:
-                self._wait_writable()
-                if self._table.get(key) != entry or key in self._pins or key in self._retains:
-                    return False
-                if self._next_lsn + 2 < self._lease_until:
-                    lsn = self._take_lsn()
-                    apply_delete(self._table, self._segment_states, key, lsn)
-                    self._pending.append(encode_delete(lsn, key))
-                    self._policy.on_delete(key)
-                    self._evictions[self._policy.name] += 1
-                    tally.pages_evicted += 1
-                    tally.bytes_evicted += entry.payload_bytes
-                    return True
-            self._extend_lease()
+        """Evict a page if it is still ``entry`` and unprotected; logged like a delete.
+
+        The DELETE carries the evicted version's own LSN, not a new one: a put of
+        the same key that was already in flight (an older reservation, so a lower
+        LSN than a fresh one) is newer than what was evicted and must win.
+        """
+        with self._cond:
+            self._wait_writable()
+            if self._table.get(key) != entry or key in self._pins or key in self._retains:
+                return False
+            apply_delete(self._table, self._segment_states, key, entry.lsn)
+            self._pending.append(encode_delete(entry.lsn, key))
+            self._policy.on_delete(key)
+            self._evictions[self._policy.name] += 1
+        tally.pages_evicted += 1
+        tally.bytes_evicted += entry.payload_bytes
+        return True
 
     def _scan_segment(self, segment_id: int) -> Iterator[tuple[int, _RecordHeader, memoryview]]:
         """Every well-formed record of a sealed segment, read in large chunks."""

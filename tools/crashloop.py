@@ -25,7 +25,21 @@ segment frees too. Some cycles use a tiny ``lsn_lease_step`` so LSN lease
 extensions (and their recovery) happen all the time. A child that stops making
 progress for ``--stall-s`` seconds is a violation (its stacks are dumped first).
 
+Space mode (``--capacity-mib N`` and/or ``--retain``). With a capacity the store
+evicts, so an acknowledged page that is not retained may also be absent (never
+other bytes, and an acknowledged delete still never comes back). With
+``--retain`` the child also retains and releases keys (``ack`` after a flush),
+pins pages, deletes pinned pages while pinned, and reads pinned and retained
+pages back, reporting any broken promise as a ``bad ...`` line. The oracle then
+also requires: a key whose retain was acknowledged and not released (nor the
+key deleted) is present with its latest acknowledged bytes and
+``is_retained()``; a retain that found its key absent makes that absence
+durable (the eviction was flushed with it); ``is_retained()`` matches what was
+acknowledged. Each cycle with a capacity picks an eviction policy.
+
     .venv/bin/python tools/crashloop.py --dir /tmp/crash --cycles 200 --seed 1
+    .venv/bin/python tools/crashloop.py --dir /tmp/crash-space --cycles 300 --seed 1 \
+        --segment-mib 2 --capacity-mib 16 --retain
 """
 
 from __future__ import annotations
@@ -131,11 +145,16 @@ def child_main(args: argparse.Namespace) -> int:
         options["gc_interval_s"] = args.gc_interval_s
     if args.lsn_lease_step is not None:
         options["lsn_lease_step"] = args.lsn_lease_step
+    if args.capacity_mib:
+        options["capacity_bytes"] = args.capacity_mib * MIB
+    if args.eviction_policy is not None:
+        options["eviction_policy"] = args.eviction_policy
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     started = time.perf_counter()
     store = open_store(Path(args.dir), args.segment_mib * MIB, **options)
     report(f"ready {time.perf_counter() - started:.6f}")
     keys = [key_name(i) for i in range(args.keys)]
+    space = _ChildSpace(store, keys, rng, report, args) if args.retain else None
     seq = 0
 
     def next_version() -> int:
@@ -146,9 +165,28 @@ def child_main(args: argparse.Namespace) -> int:
     def put_item(key: str, version: int) -> tuple[str, bytes, dict[str, Any] | None]:
         return key, page_bytes(key, version), page_meta(key, version)
 
+    def ack_put(key: str, version: int) -> None:
+        report(f"ack put {key} {version}")
+        if space is not None:
+            space.known[key] = version
+
+    def ack_del(key: str) -> None:
+        report(f"ack del {key}")
+        if space is not None:
+            space.known[key] = None
+
+    def begin_del(key: str) -> None:
+        report(f"begin del {key}")
+        if space is not None:  # the delete drops the retain (a churn may ack only a later put)
+            space.retained.discard(key)
+
     ops = 0
     while args.max_ops <= 0 or ops < args.max_ops:
         ops += 1
+        # Keys pinned by this child are not written (see _ChildSpace); with no
+        # pins this is ``keys`` itself, so the random stream of the plain mode
+        # is unchanged.
+        free = space.writable() if space is not None else keys
         r = rng.random()
         if r < args.checkpoint_prob:
             report("begin ckpt")
@@ -160,41 +198,44 @@ def child_main(args: argparse.Namespace) -> int:
             store.gc(full=rng.random() < 0.3)
             report("ack gc")
             continue
+        if space is not None and r < args.checkpoint_prob + args.gc_prob + args.space_prob:
+            space.step()
+            continue
         r = rng.random()
         if r < 0.33:  # one sync put
-            key, version = rng.choice(keys), next_version()
+            key, version = rng.choice(free), next_version()
             item = put_item(key, version)
             report(f"begin put {key} {version}")
             store.put(key, item[1], meta=item[2], sync=True)
-            report(f"ack put {key} {version}")
+            ack_put(key, version)
         elif r < 0.53:  # a sync batch of distinct keys
-            batch = [(k, next_version()) for k in rng.sample(keys, rng.randint(2, 8))]
+            batch = [(k, next_version()) for k in rng.sample(free, rng.randint(2, 8))]
             items = [put_item(k, v) for k, v in batch]
             for k, v in batch:
                 report(f"begin put {k} {v}")
             store.put_many(items, sync=True)
             for k, v in batch:
-                report(f"ack put {k} {v}")
+                ack_put(k, v)
         elif r < 0.71:  # plain puts, then flush
-            batch = [(k, next_version()) for k in rng.sample(keys, rng.randint(1, 4))]
+            batch = [(k, next_version()) for k in rng.sample(free, rng.randint(1, 4))]
             for k, v in batch:
                 item = put_item(k, v)
                 report(f"begin put {k} {v}")
                 store.put(k, item[1], meta=item[2])
             store.flush()
             for k, v in batch:
-                report(f"ack put {k} {v}")
+                ack_put(k, v)
         elif r < 0.86:  # deletes, then flush
-            chosen = rng.sample(keys, rng.randint(1, 3))
+            chosen = rng.sample(free, rng.randint(1, 3))
             for k in chosen:
-                report(f"begin del {k}")
+                begin_del(k)
                 store.delete(k)
             store.flush()
             for k in chosen:
-                report(f"ack del {k}")
+                ack_del(k)
         else:  # churn: puts and deletes of a few keys, repeats included, then flush
-            few = rng.sample(keys, 2)
-            final: dict[str, str] = {}
+            few = rng.sample(free, 2)
+            final: dict[str, tuple[str, int | None]] = {}
             for _ in range(rng.randint(2, 5)):
                 k = rng.choice(few)
                 if rng.random() < 0.65:
@@ -202,17 +243,175 @@ def child_main(args: argparse.Namespace) -> int:
                     item = put_item(k, v)
                     report(f"begin put {k} {v}")
                     store.put(k, item[1], meta=item[2])
-                    final[k] = f"ack put {k} {v}"
+                    final[k] = ("put", v)
                 else:
-                    report(f"begin del {k}")
+                    begin_del(k)
                     store.delete(k)
-                    final[k] = f"ack del {k}"
+                    final[k] = ("del", None)
             store.flush()
-            for line in final.values():
-                report(line)
+            for k, (kind, v) in final.items():
+                if kind == "put":
+                    assert v is not None
+                    ack_put(k, v)
+                else:
+                    ack_del(k)
+    if space is not None:
+        space.unpin_all()
     store.close()
     report("done")
     return 0
+
+
+class _ChildSpace:
+    """The ``--retain`` mode's operations in the child: retains and releases
+    (acknowledged after a flush), pins, deletes of pinned pages, and reads of
+    pinned and retained pages checked against what this child acknowledged.
+
+    Protocol lines: ``begin retain K`` / ``ack retain K 1|0`` (0: ``retain``
+    returned False, the key was absent), ``begin release K`` / ``ack release K``,
+    deletes as ``begin del K`` / ``ack del K``, and ``bad ...`` for a read that
+    broke a promise (the parent counts it as a violation).
+
+    At most ``MAX_PINS`` keys stay pinned across operations and those keys are
+    not written meanwhile; the retained set is kept small enough to fit the
+    capacity with room to spare, so a ``StoreFullError`` here is a failure.
+    """
+
+    MAX_PINS = 2
+
+    def __init__(
+        self,
+        store: KVStore,
+        keys: list[str],
+        rng: random.Random,
+        report: Callable[[str], None],
+        args: argparse.Namespace,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.rng = rng
+        self.report = report
+        self.bounded = bool(args.capacity_mib)
+        # A quarter of the capacity, counted in largest pages; 16 keys without one.
+        self.max_retained = (
+            max(2, args.capacity_mib * MIB // (4 * MAX_PAGE_BYTES)) if self.bounded else 16
+        )
+        self.retained = {key for key in keys if store.is_retained(key)}
+        self.known: dict[str, int | None] = {}  # acknowledged this run: version, None = deleted
+        self.pins: list[str] = []
+
+    def writable(self) -> list[str]:
+        if not self.pins:
+            return self.keys
+        pinned = set(self.pins)
+        return [key for key in self.keys if key not in pinned]
+
+    def step(self) -> None:
+        r = self.rng.random()
+        if r < 0.4:
+            self.retain_some()
+        elif r < 0.55:
+            self.release_some()
+        elif r < 0.8:
+            self.delete_pinned()
+        else:
+            self.read_pinned()
+
+    def check(self, key: str, where: str, *, present: bool) -> None:
+        """A key this child wrote (and did not delete) reads back exactly; when
+        ``present`` (pinned or retained), a miss is a failure too."""
+        version = self.known.get(key)
+        if version is None:
+            return
+        got = self.store.get(key)
+        if got is None:
+            if present or not self.bounded:
+                self.report(f"bad {where} {key} v{version}: missing")
+        elif got != page_bytes(key, version):
+            self.report(f"bad {where} {key} v{version}: wrong bytes ({len(got)})")
+
+    def retain_some(self) -> None:
+        if len(self.retained) >= self.max_retained:
+            self.release_some()
+            return
+        # Mostly keys written in this run (likely still present), else any key.
+        written = sorted(key for key, version in self.known.items() if version is not None)
+        pool = written if written and self.rng.random() < 0.8 else self.keys
+        chosen = self.rng.sample(pool, min(len(pool), self.rng.randint(1, 3)))
+        chosen = chosen[: self.max_retained - len(self.retained)]
+        results = []
+        for key in chosen:
+            self.report(f"begin retain {key}")
+            results.append(self.store.retain(key))
+        self.store.flush()
+        for key, ok in zip(chosen, results, strict=True):
+            self.report(f"ack retain {key} {int(ok)}")
+            if ok:
+                self.retained.add(key)
+                self.check(key, "retained", present=True)
+            elif self.known.get(key) is not None and not self.bounded:
+                self.report(f"bad retain {key}: returned False for a present key")
+
+    def release_some(self) -> None:
+        pool = sorted(self.retained) or self.keys
+        chosen = self.rng.sample(pool, min(len(pool), self.rng.randint(1, 2)))
+        for key in chosen:
+            self.report(f"begin release {key}")
+            self.store.release(key)
+        self.store.flush()
+        for key in chosen:
+            self.report(f"ack release {key}")
+            self.retained.discard(key)
+
+    def pin(self, key: str) -> bool:
+        if not self.store.pin(key):
+            return False
+        self.pins.append(key)
+        return True
+
+    def unpin_some(self, keep: int) -> None:
+        while len(self.pins) > keep:
+            self.store.unpin(self.pins.pop(0))
+
+    def unpin_all(self) -> None:
+        self.unpin_some(0)
+
+    def delete_pinned(self) -> None:
+        """Pin pages, read them, delete them (acknowledged after a flush), and keep
+        the pins a while: the deleted pages' segments must outlive the pins."""
+        self.unpin_some(self.MAX_PINS - 1)
+        chosen = []
+        for key in self.rng.sample(self.writable(), 2):
+            if self.pin(key):
+                chosen.append(key)
+                break
+        for key in chosen:
+            self.check(key, "pinned", present=True)
+            self.report(f"begin del {key}")
+            self.retained.discard(key)
+            self.store.delete(key)
+        self.store.flush()
+        for key in chosen:
+            self.report(f"ack del {key}")
+            self.known[key] = None
+            if self.store.get(key) is not None:
+                self.report(f"bad pinned {key}: readable after its delete")
+        if self.rng.random() < 0.5:
+            self.unpin_some(0)
+
+    def read_pinned(self) -> None:
+        """Pin a batch, read every page written here and every retained one."""
+        candidates = [key for key, v in self.known.items() if v is not None]
+        chosen = self.rng.sample(candidates, min(len(candidates), 4))
+        chosen += self.rng.sample(sorted(self.retained), min(len(self.retained), 2))
+        with self.store.pinned(chosen) as ok:
+            for key, pinned in zip(chosen, ok, strict=True):
+                if pinned:
+                    self.check(key, "pinned", present=True)
+                else:
+                    self.check(key, "unpinnable", present=key in self.retained)
+        for key in self.retained:
+            self.check(key, "retained", present=True)
 
 
 # -- parent ---------------------------------------------------------------------
@@ -238,6 +437,10 @@ class LoopConfig:
     verify_timeout_s: float | None = 120.0  # faulthandler watchdog; None: off
     stop_on_violation: bool = False
     python: str = sys.executable
+    capacity_mib: int | None = None  # capacity_bytes for the store: eviction happens
+    retain: bool = False  # the child also retains, releases, pins and deletes pinned pages
+    space_prob: float = 0.2  # with retain: share of operations that are those
+    eviction_policy: str | None = None  # with a capacity: None picks one per cycle
 
 
 @dataclasses.dataclass(slots=True)
@@ -253,15 +456,23 @@ class LoopSummary:
     acks_del: int = 0
     acks_ckpt: int = 0
     acks_gc: int = 0
+    acks_retain: int = 0  # retains acknowledged (the key was present and is now retained)
+    acks_retain_absent: int = 0  # retains that found the key gone (evicted or deleted)
+    acks_release: int = 0
     checked_acked_puts: int = 0  # verifications of a put acknowledged in that cycle
     checked_acked_deletes: int = 0  # verifications of a delete acknowledged in that cycle
     checked_keys: int = 0  # every key verification, baseline carried over included
     inflight_became_new: int = 0  # an unacknowledged op that turned out durable
     inflight_stayed_old: int = 0
+    checked_retained: int = 0  # verifications of a key whose retain was acknowledged
+    evicted_seen: int = 0  # acknowledged pages found absent, allowed by the capacity
     lost_pages: int = 0
     wrong_bytes: int = 0
     wrong_meta: int = 0
     resurrected_deletes: int = 0
+    lost_retains: int = 0  # an acknowledged, unreleased retain whose page is gone
+    retain_mismatches: int = 0  # is_retained() disagrees with the acknowledged state
+    child_check_failures: int = 0  # "bad ..." lines: the child read a broken promise
     read_errors: int = 0
     index_mismatches: int = 0
     child_failures: int = 0
@@ -272,6 +483,8 @@ class LoopSummary:
     elapsed_s: float = 0.0
     store_bytes: int = 0
     kvstore_module: str = ""
+    capacity_mib: int | None = None
+    retain: bool = False
     details: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -281,6 +494,9 @@ class LoopSummary:
             + self.wrong_bytes
             + self.wrong_meta
             + self.resurrected_deletes
+            + self.lost_retains
+            + self.retain_mismatches
+            + self.child_check_failures
             + self.read_errors
             + self.index_mismatches
             + self.child_failures
@@ -313,35 +529,67 @@ def _mean(values: Sequence[float]) -> float:
 
 class Oracle:
     """The expected state, kept in the parent: per key the last acknowledged state,
-    the states of operations begun since then, and every version ever begun."""
+    the states of operations begun since then, and every version ever begun; and
+    per key whether a retain is acknowledged, with the retain flags that operations
+    begun since then may leave (a release or a delete may drop it).
 
-    def __init__(self, keys: list[str]) -> None:
+    ``bounded`` (the store has a capacity): a page that is not retained may also
+    have been evicted, so absence is allowed for it; a retained one may not be.
+    """
+
+    def __init__(self, keys: list[str], bounded: bool = False) -> None:
         self.keys = keys
+        self.bounded = bounded
         self.acked: dict[str, State] = dict.fromkeys(keys, ABSENT)
         self.begun: dict[str, list[State]] = {k: [] for k in keys}
         self.fresh: set[str] = set()  # acknowledged during the current cycle
         self.history: dict[str, set[int]] = {k: set() for k in keys}
+        self.retained: dict[str, bool] = dict.fromkeys(keys, False)
+        self.retain_begun: dict[str, list[bool]] = {k: [] for k in keys}
 
     def start_cycle(self) -> None:
         self.fresh.clear()
         for pending in self.begun.values():
             pending.clear()
+        for flags in self.retain_begun.values():
+            flags.clear()
 
-    def apply(self, line: str, summary: LoopSummary) -> None:
+    def must_keep(self, key: str) -> bool:
+        """A retain is acknowledged and nothing begun since may have dropped it."""
+        return self.retained[key] and False not in self.retain_begun[key]
+
+    def retain_flags(self, key: str) -> set[bool]:
+        return {self.retained[key], *self.retain_begun[key]}
+
+    def apply(self, line: str, summary: LoopSummary, cycle: int = 0) -> None:
         parts = line.split()
-        if len(parts) < 2 or parts[0] not in ("begin", "ack") or parts[1] in ("ckpt", "gc"):
+        if parts[:1] == ["bad"]:
+            summary.child_check_failures += 1
+            summary.note(f"cycle {cycle}: child check failed: {line[4:]}")
+            return
+        if len(parts) < 3 or parts[0] not in ("begin", "ack") or parts[1] in ("ckpt", "gc"):
             if parts[:2] == ["ack", "ckpt"]:
                 summary.acks_ckpt += 1
             elif parts[:2] == ["ack", "gc"]:
                 summary.acks_gc += 1
             return
         phase, kind, key = parts[0], parts[1], parts[2]
+        if kind in ("retain", "release"):
+            self._apply_retain(phase, kind, key, parts[3:], summary, cycle)
+            return
         state: State = ("put", int(parts[3])) if kind == "put" else ABSENT
         if phase == "begin":
             self.begun[key].append(state)
             if kind == "put":
                 self.history[key].add(state[1])
+            else:
+                self.retain_begun[key].append(False)  # a delete drops the retain
             return
+        if ABSENT in self.begun[key]:
+            # A delete begun in the same group (a churn acknowledges only the last
+            # state of each key): the flush made it durable, so the retain is gone.
+            self.retained[key] = False
+            self.retain_begun[key].clear()
         self.acked[key] = state
         self.begun[key].clear()
         self.fresh.add(key)
@@ -349,6 +597,43 @@ class Oracle:
             summary.acks_put += 1
         else:
             summary.acks_del += 1
+            self.retained[key] = False
+            self.retain_begun[key].clear()
+
+    def _apply_retain(
+        self, phase: str, kind: str, key: str, rest: list[str], summary: LoopSummary, cycle: int
+    ) -> None:
+        if phase == "begin":
+            self.retain_begun[key].append(kind == "retain")
+            return
+        self.retain_begun[key].clear()
+        if kind == "release":
+            self.retained[key] = False
+            summary.acks_release += 1
+            return
+        if rest == ["1"]:
+            self.retained[key] = True
+            summary.acks_retain += 1
+            return
+        # retain() returned False: the key was absent. The child's operations run
+        # one at a time, so nothing on this key was in flight: its acknowledged
+        # state says what it should have been.
+        summary.acks_retain_absent += 1
+        if self.retained[key]:
+            summary.lost_retains += 1
+            summary.note(f"cycle {cycle}: {key}: retained, but retain() found it absent")
+        elif self.acked[key][0] == "put":
+            if self.bounded:
+                # Evicted, and the flush after retain() made the eviction durable:
+                # the page must never come back.
+                self.acked[key] = ABSENT
+            else:
+                summary.lost_pages += 1
+                summary.note(
+                    f"cycle {cycle}: {key}: acked {self.acked[key]}, "
+                    "but retain() found it absent (no capacity)"
+                )
+        self.retained[key] = False
 
 
 def _classify(
@@ -363,6 +648,9 @@ def _classify(
     acked = oracle.acked[key]
     allowed = [acked, *oracle.begun[key]]
     summary.checked_keys += 1
+    keep = oracle.must_keep(key)
+    if keep:
+        summary.checked_retained += 1
     if key in oracle.fresh:
         if acked[0] == "put":
             summary.checked_acked_puts += 1
@@ -372,6 +660,9 @@ def _classify(
     if got is None:
         if ABSENT in allowed:
             seen = ABSENT
+        elif oracle.bounded and not keep:
+            summary.evicted_seen += 1  # evicted: allowed under a capacity
+            return ABSENT
     else:
         for state in allowed:
             if (
@@ -392,8 +683,12 @@ def _classify(
         return seen
     what = f"cycle {cycle}: {key}: acked {acked}, begun since {oracle.begun[key]}"
     if got is None:
-        summary.lost_pages += 1
-        summary.note(f"{what}: LOST (get returned None)")
+        if keep:
+            summary.lost_retains += 1
+            summary.note(f"{what}: LOST RETAINED PAGE (get returned None)")
+        else:
+            summary.lost_pages += 1
+            summary.note(f"{what}: LOST (get returned None)")
         return ABSENT
     older = [
         v
@@ -452,6 +747,22 @@ def _check_index(store: KVStore, present: set[str], summary: LoopSummary, cycle:
         )
 
 
+def _check_retain(
+    store: KVStore, oracle: Oracle, key: str, present: bool, summary: LoopSummary, cycle: int
+) -> None:
+    """is_retained() matches the acknowledged retain (or one begun since); the new
+    baseline is what the store says."""
+    flag = store.is_retained(key)
+    allowed = oracle.retain_flags(key) if present else {False}
+    if flag not in allowed:
+        summary.retain_mismatches += 1
+        summary.note(
+            f"cycle {cycle}: {key}: is_retained() {flag}, expected one of {sorted(allowed)} "
+            f"({'present' if present else 'absent'})"
+        )
+    oracle.retained[key] = flag
+
+
 def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int) -> bool:
     """Open, check every key, close. False when the store could not be recovered."""
     if config.verify_timeout_s:
@@ -459,7 +770,10 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
     try:
         started = time.perf_counter()
         try:
-            store = open_store(config.dir, config.segment_mib * MIB)
+            options: dict[str, Any] = {}
+            if config.capacity_mib:  # no background GC: nothing may be evicted while checked
+                options.update(capacity_bytes=config.capacity_mib * MIB, gc_interval_s=0)
+            store = open_store(config.dir, config.segment_mib * MIB, **options)
         except StoreNotFoundError:
             # Killed while creating the store: fine as long as nothing was acknowledged.
             summary.store_not_created_yet += 1
@@ -483,6 +797,7 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
                 oracle.acked[key] = _classify(oracle, key, got, meta, summary, cycle)
                 if got is not None:
                     present.add(key)
+                _check_retain(store, oracle, key, got is not None, summary, cycle)
             if not any(failed for _, _, failed in results):
                 _check_index(store, present, summary, cycle)
         finally:
@@ -587,6 +902,11 @@ def _child_command(config: LoopConfig, cycle: int, rng: random.Random, hunt: boo
     ]
     if rng.random() < config.small_lease_prob:
         command += ["--lsn-lease-step", str(rng.choice([8, 32, 128, 512]))]
+    if config.capacity_mib:
+        policy = config.eviction_policy or rng.choice(["fifo", "fifo", "lru", "cost"])
+        command += ["--capacity-mib", str(config.capacity_mib), "--eviction-policy", policy]
+    if config.retain:
+        command += ["--retain", "--space-prob", str(config.space_prob)]
     if rng.random() < 0.3:  # let the flusher thread checkpoint under the writes too
         command += ["--checkpoint-interval-s", f"{rng.uniform(0.05, 0.5):.3f}"]
         command += ["--checkpoint-wal-bytes", str(rng.choice([16 * KIB, 256 * KIB, 64 * MIB]))]
@@ -662,9 +982,9 @@ def run_cycle(
     else:
         summary.kills_during_ops += 1
     stderr_path.unlink(missing_ok=True)
-    for line in watch.lines:
-        oracle.apply(line, summary)
     before = summary.violations
+    for line in watch.lines:
+        oracle.apply(line, summary, cycle)  # may count "bad ..." lines and lost retains
     ok = verify(config, oracle, summary, cycle)
     summary.cycles += 1
     if summary.violations != before:
@@ -680,8 +1000,18 @@ def run_crashloop(config: LoopConfig, log: Callable[[str], None] | None = None) 
     if config.dir.exists() and any(config.dir.iterdir()):
         raise ValueError(f"{config.dir} is not empty; the oracle needs a new store")
     rng = random.Random(config.seed)
-    oracle = Oracle([key_name(i) for i in range(config.keys)])
-    summary = LoopSummary(seed=config.seed, kvstore_module=str(Path(kvstore.__file__).parent))
+    oracle = Oracle([key_name(i) for i in range(config.keys)], bounded=bool(config.capacity_mib))
+    if config.capacity_mib and config.capacity_mib < 5 * config.segment_mib:
+        raise ValueError(
+            f"capacity_mib ({config.capacity_mib}) must hold at least 5 segments of "
+            f"{config.segment_mib} MiB (watermark + GC reserve + 2)"
+        )
+    summary = LoopSummary(
+        seed=config.seed,
+        kvstore_module=str(Path(kvstore.__file__).parent),
+        capacity_mib=config.capacity_mib,
+        retain=config.retain,
+    )
     started = time.perf_counter()
     for cycle in range(1, config.cycles + 1):
         if not run_cycle(config, oracle, summary, cycle, rng, say):
@@ -716,10 +1046,25 @@ def format_summary(summary: LoopSummary) -> str:
         f"{d['checked_acked_deletes']} deletes ({d['checked_keys']} key checks in all)",
         f"unacked ops resolved     {d['inflight_became_new']} to the new state, "
         f"{d['inflight_stayed_old']} to the old",
+    ]
+    if summary.capacity_mib or summary.retain:
+        lines += [
+            f"space mode               capacity "
+            f"{f'{summary.capacity_mib} MiB' if summary.capacity_mib else 'none'}, "
+            f"retain/pin ops {'on' if summary.retain else 'off'}",
+            f"retains acked            {d['acks_retain']} (+{d['acks_retain_absent']} that "
+            f"found the key evicted or deleted), {d['acks_release']} releases",
+            f"retained keys verified   {d['checked_retained']}",
+            f"evicted pages seen       {d['evicted_seen']} (acked, absent, not retained)",
+        ]
+    lines += [
         f"lost pages               {d['lost_pages']}",
         f"wrong bytes              {d['wrong_bytes']}",
         f"wrong meta               {d['wrong_meta']}",
         f"resurrected deletes      {d['resurrected_deletes']}",
+        f"lost retains             {d['lost_retains']}",
+        f"retain flag mismatches   {d['retain_mismatches']}",
+        f"child check failures     {d['child_check_failures']}",
         f"read errors              {d['read_errors']}",
         f"index mismatches         {d['index_mismatches']}",
         f"child failures           {d['child_failures']}",
@@ -753,6 +1098,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fresh", action="store_true", help="remove --dir first if it holds a kvstore"
     )
+    parser.add_argument(
+        "--capacity-mib",
+        type=int,
+        default=None,
+        help="store capacity in MiB (at least 5 segments): pages get evicted, and the "
+        "oracle allows an unretained page to be absent",
+    )
+    parser.add_argument(
+        "--retain",
+        action="store_true",
+        help="the child also retains/releases keys (acked after a flush), pins pages, "
+        "deletes pinned pages and checks pinned and retained reads",
+    )
     parser.add_argument("--stop-on-violation", action="store_true")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     # child mode (internal)
@@ -766,6 +1124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gc-interval-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--lsn-lease-step", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-ops", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--eviction-policy", help=argparse.SUPPRESS)
+    parser.add_argument("--space-prob", type=float, default=0.2, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -788,12 +1148,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_kill_prob=args.startup_kill_prob,
         ckpt_hunt_prob=args.ckpt_hunt_prob,
         stop_on_violation=args.stop_on_violation,
+        capacity_mib=args.capacity_mib,
+        retain=args.retain,
     )
 
     def log(message: str) -> None:
         if not args.quiet:
             print(message, file=sys.stderr, flush=True)
 
+    if args.capacity_mib is not None and args.capacity_mib < 5 * args.segment_mib:
+        raise SystemExit(
+            f"--capacity-mib must be at least 5 segments ({5 * args.segment_mib} MiB "
+            f"with --segment-mib {args.segment_mib})"
+        )
     log(f"crashloop: {config.cycles} cycles on {directory}, seed {seed}")
     summary = run_crashloop(config, log)
     if args.json:

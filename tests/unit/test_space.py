@@ -436,3 +436,29 @@ def test_cost_store_evicts_cheap_to_recompute_pages_first(open_store: OpenStore)
     expected = [key(i) for i in range(1, 20, 2)] + [key(i) for i in range(0, 20, 2)]
     assert order == expected[: len(order)]
     assert len(order) > 10
+
+
+def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
+    open_store: OpenStore, store_path: Path
+) -> None:
+    """The eviction's DELETE carries the evicted version's LSN, so a put of the same
+    key that was already in flight (reserved before the eviction) still wins."""
+    from kvstore.store import _GCTally
+
+    store = open_store(gc_interval_s=0)
+    store.put(key(0), value(0))
+    old = store._table.get(key(0))
+    assert old is not None
+    original = store._complete_puts
+
+    def evict_old_version_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert store._evict_entry(key(0), old, _GCTally())
+        return original(*args, **kwargs)
+
+    store._complete_puts = evict_old_version_first  # type: ignore[method-assign]
+    assert store.put(key(0), value(0, version=1), sync=True)
+    assert store.get(key(0)) == value(0, version=1)
+    store._complete_puts = original  # type: ignore[method-assign]
+    store.close()
+    reopened = open_store(gc_interval_s=0)
+    assert reopened.get(key(0)) == value(0, version=1)
