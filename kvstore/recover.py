@@ -82,6 +82,7 @@ from kvstore.index.table import (
     META_LSN_LEASE,
     META_NEXT_SEGMENT,
     META_PAGE_COUNT,
+    Tombstone,
 )
 from kvstore.io.files import FILE_MODE, fsync_dir, write_file_durably
 from kvstore.log.wal import WalWriter
@@ -254,14 +255,7 @@ class _Entry:
         return self.entry.lsn
 
 
-@dataclass(frozen=True, slots=True)
-class _Tomb:
-    """The key is deleted (or, from LMDB's absence, dead) as of ``lsn``."""
-
-    lsn: int
-
-
-_State = _Entry | _Tomb
+_State = _Entry | Tombstone  # Tombstone: deleted (or absent from LMDB) as of its lsn
 
 
 @dataclass(slots=True)
@@ -490,7 +484,7 @@ def _read_wal(root: Path, scan: _Scan, report: RecoveryReport) -> None:
     def current(key: bytes) -> _State | None:
         state = states.get(key)
         if state is None and floor is not None:
-            return _Tomb(floor)
+            return Tombstone(floor)
         return state
 
     for first, path in files:
@@ -556,7 +550,7 @@ def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, bod
     elif isinstance(body, DeleteBody):
         now = current(body.key)
         if now is None or now.lsn <= lsn:
-            states[body.key] = _Tomb(lsn)
+            states[body.key] = Tombstone(lsn)
         scan.retains.discard(body.key)
     elif isinstance(body, RetainBody):
         if body.retained:
@@ -684,7 +678,7 @@ def _decide(scan: _Scan, report: RecoveryReport, *, salvage: bool) -> dict[bytes
     for key in sorted(set(scan.records) | set(scan.states)):
         state = scan.states.get(key)
         if state is None and trust_absence:
-            state = _Tomb(floor)
+            state = Tombstone(floor)
         records = [
             r for r in scan.records.get(key, []) if (r.segment_id, r.generation) not in scan.freed
         ]
@@ -740,7 +734,7 @@ def _decide(scan: _Scan, report: RecoveryReport, *, salvage: bool) -> dict[bytes
                 reason = "corrupt"
             elif chosen is not None and r.lsn <= chosen.lsn:
                 reason = "superseded"
-            elif isinstance(state, _Tomb) and r.lsn <= state.lsn:
+            elif isinstance(state, Tombstone) and r.lsn <= state.lsn:
                 reason = "deleted"
             elif isinstance(state, _Entry) and r.lsn < state.lsn:
                 reason = "superseded"
