@@ -608,9 +608,9 @@ class KVStore:
         return segment_id, self._take_lsn()
 
     def _take_spare(self) -> Segment | None:
-        """The prepared spare, waiting if one is being made. Caller holds ``_lock``."""
-        while self._preparing:
-            self._cond.wait()
+        """The prepared spare, if any. Caller holds ``_lock`` and made sure no spare is
+        being made (``_reserve`` waits that out first, then re-checks everything)."""
+        assert not self._preparing, "a spare is being made; _reserve must wait first"
         spare, self._spare = self._spare, None
         return spare
 
@@ -659,6 +659,7 @@ class KVStore:
         room_attempts = 0
         while True:
             must_drain = False
+            spare_pending = False
             with self._cond:
                 self._check_writable()
                 if drain is not None and self._freezing:
@@ -677,9 +678,14 @@ class KVStore:
                                     "GC has no free segment to relocate pages into"
                                 )
                             needs_room = True
+                        elif self._preparing:
+                            # Waiting releases the lock: a freeze, the lease or the
+                            # capacity may change meanwhile, so wait outside and
+                            # start over rather than roll on stale checks.
+                            spare_pending = True
                         else:
                             segment = self._roll_segment()
-                    if not needs_room:
+                    if not needs_room and not spare_pending:
                         assert segment is not None
                         offset = segment.head
                         segment.head += span
@@ -687,9 +693,14 @@ class KVStore:
                         self._inflight += 1
                         self._segment_writers[segment.segment_id] += 1
                         return segment, offset, lsn
-            if drain is not None and (must_drain or needs_lease or needs_room):
+            if drain is not None and (must_drain or needs_lease or needs_room or spare_pending):
                 drain()
                 drain = None  # nothing of the caller's is in flight any more
+            if spare_pending:
+                with self._cond:
+                    while self._preparing:
+                        self._cond.wait()
+                continue
             if must_drain:
                 continue
             if needs_lease:
@@ -977,14 +988,22 @@ class KVStore:
                         self._wal.rotate(first_lsn)
                     except KVStoreError as e:
                         with self._lock:
-                            self._table.active = {**frozen, **self._table.active}
-                            self._table.frozen = None
+                            self._table.thaw(frozen)
                         raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
                 finally:
                     with self._cond:
                         self._freezing -= 1
                         self._cond.notify_all()
-            self._table.commit_frozen(frozen, segments, dropped, meta, retains)
+            try:
+                self._table.commit_frozen(frozen, segments, dropped, meta, retains)
+            except BaseException:
+                # LMDB keeps the previous checkpoint and the WAL still holds every
+                # change (old files are deleted only after a commit): put the
+                # overlay back so lookups, and the next checkpoint, still see it.
+                with self._lock:
+                    self._table.thaw(frozen)
+                    self._dropped_segments = dropped + self._dropped_segments
+                raise
             self._checkpoint_lsn = first_lsn
             for wal_first, path in list_wal_files(self.root):
                 if wal_first < first_lsn:
@@ -1389,7 +1408,26 @@ class KVStore:
                 self._free_segment(segment_id, tally)
 
     def _free_segment(self, segment_id: int, tally: _GCTally) -> bool:
-        """Free a sealed segment with no live, pinned or in-read page: WAL first, then unlink."""
+        """Free a sealed segment with no live, pinned or in-read page: WAL first, then unlink.
+
+        Runs under the commit lock: PUT records naming this segment may still be
+        pending, and the commit that makes them durable must fdatasync the
+        segment first (it is no longer in ``_segments`` once popped).
+        """
+        with self._commit_lock:
+            segment = self._free_segment_locked(segment_id)
+        if segment is None:
+            return False
+        if not self._recycle(segment):
+            segment.close()
+            segment.path.unlink(missing_ok=True)
+        with self._lock:
+            self._counters["segments_freed"] += 1
+        tally.segments_freed += 1
+        return True
+
+    def _free_segment_locked(self, segment_id: int) -> Segment | None:
+        """Drop the segment from the index and commit that; None if it may not go yet."""
         with self._lock:
             state = self._segment_states.get(segment_id)
             if (
@@ -1400,22 +1438,29 @@ class KVStore:
                 or self._segment_writers.get(segment_id)
                 or (self._active is not None and self._active.segment_id == segment_id)
             ):
-                return False
+                return None
             segment = self._segments.pop(segment_id)
             del self._segment_states[segment_id]
             self._dropped_segments.append(segment_id)
             self._pending.append(
                 encode_segment_free(self._take_lsn(), segment_id, state.generation)
             )
-        with self._commit_lock:  # not flush(): close() may have begun; the free must land
+        try:
+            if segment.dirty:  # its records may be in this very commit
+                try:
+                    os.fdatasync(segment.fd)
+                except OSError as e:
+                    raise self._fail(
+                        WriterFailedError(
+                            f"fdatasync of segment {segment.path.name} failed", e.errno
+                        )
+                    ) from e
+            # not flush(): close() may have begun, and the free must still land
             self._commit_locked()  # durable before the file goes or is reused
-        if not self._recycle(segment):
+        except BaseException:
             segment.close()
-            segment.path.unlink(missing_ok=True)
-        with self._lock:
-            self._counters["segments_freed"] += 1
-        tally.segments_freed += 1
-        return True
+            raise
+        return segment
 
     def _recycle(self, segment: Segment) -> bool:
         """Turn a freed segment's file into the spare (written extents are cheaper)."""

@@ -195,6 +195,12 @@ class PageTable:
         self._epoch += 1
         return frozen
 
+    def thaw(self, frozen: dict[bytes, Slot]) -> None:
+        """Undo ``freeze`` after a failed checkpoint: newer changes stay on top."""
+        self.active = {**frozen, **self.active}
+        self.frozen = None
+        self._epoch += 1
+
     def commit_frozen(
         self,
         frozen: dict[bytes, Slot],

@@ -462,3 +462,87 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
     store.close()
     reopened = open_store(gc_interval_s=0)
     assert reopened.get(key(0)) == value(0, version=1)
+
+
+def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
+    open_store: OpenStore,
+) -> None:
+    """Waiting for the spare segment releases the lock; the put must re-check the freeze."""
+    import time
+
+    store = open_store(gc_interval_s=0)
+    for index in range(4):  # exactly fills the active segment
+        store.put(key(index), value(index))
+    with store._cond:
+        store._preparing = True  # a spare is "being made"
+    writer = threading.Thread(target=store.put, args=(key(4), value(4)))
+    writer.start()
+    time.sleep(0.2)  # the put now waits for the spare
+    with store._cond:
+        store._freezing += 1  # a checkpoint freezes meanwhile
+        store._preparing = False
+        store._cond.notify_all()
+    time.sleep(0.2)
+    assert writer.is_alive(), "the put went ahead during a freeze"
+    with store._cond:
+        store._freezing -= 1
+        store._cond.notify_all()
+    writer.join(5)
+    assert not writer.is_alive()
+    assert store.get(key(4)) == value(4)
+
+
+def test_a_failed_checkpoint_commit_keeps_the_overlay(open_store: OpenStore) -> None:
+    from kvstore import IOFailure
+
+    store = open_store(gc_interval_s=0)
+    store.put(key(0), value(0))
+    original = store._table.commit_frozen
+
+    def fail_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        store._table.commit_frozen = original  # type: ignore[method-assign]
+        raise IOFailure("LMDB write failed", 28)
+
+    store._table.commit_frozen = fail_once  # type: ignore[method-assign]
+    with pytest.raises(IOFailure):
+        store.checkpoint()
+    assert store.get(key(0)) == value(0)
+    store.put(key(1), value(1))
+    store.checkpoint()  # the next one succeeds and carries both pages
+    store.close()
+    reopened = open_store(gc_interval_s=0)
+    assert reopened.get(key(0)) == value(0)
+    assert reopened.get(key(1)) == value(1)
+
+
+def test_freeing_a_segment_syncs_its_data_before_the_wal_names_it(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(gc_interval_s=0, flush_interval_ms=60_000)
+    store.flush()
+    for index in range(4):  # segment 1, not yet committed
+        store.put(key(index), value(index))
+    first = store.info(key(0))
+    assert first is not None
+    segment = store._segments[first.segment_id]
+    for index in range(4):  # overwrite into segment 2: segment 1 is now empty
+        store.put(key(index), value(index, version=1))
+    events: list[str] = []
+    real_fdatasync = os.fdatasync
+
+    def spy_fdatasync(fd: int) -> None:
+        events.append("sync-old" if fd == segment.fd else "sync")
+        real_fdatasync(fd)
+
+    real_append = store._wal.append  # type: ignore[union-attr]
+
+    def spy_append(data: bytes) -> None:
+        events.append("wal")
+        real_append(data)
+
+    monkeypatch.setattr(os, "fdatasync", spy_fdatasync)
+    monkeypatch.setattr(store._wal, "append", spy_append)
+    report = store.gc()
+    assert report.segments_freed == 1
+    assert "sync-old" in events and "wal" in events
+    assert events.index("sync-old") < events.index("wal")
