@@ -22,7 +22,6 @@ to open and names ``kvstore recover PATH``). See docs/operations.md, section
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import time
@@ -38,7 +37,6 @@ from kvstore.errors import (
     CorruptionError,
     IOFailure,
     KVStoreError,
-    LockedError,
     StoreNotFoundError,
 )
 from kvstore.format.checksum import checksum
@@ -55,7 +53,6 @@ from kvstore.format.entries import (
 )
 from kvstore.format.names import (
     INDEX_DIR,
-    LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
     WAL_DIR,
@@ -84,7 +81,7 @@ from kvstore.index.table import (
     META_PAGE_COUNT,
     Tombstone,
 )
-from kvstore.io.files import FILE_MODE, fsync_dir, write_file_durably
+from kvstore.io.files import acquire_writer_lock, fsync_dir, write_file_durably
 from kvstore.log.wal import WalWriter
 
 __all__ = [
@@ -309,7 +306,7 @@ def recover_store(
             f"{superblock_path} is invalid ({e}); recover needs a valid superblock"
         ) from None
     report = RecoveryReport(str(root), dry_run, salvage)
-    lock_fd = _lock(root, dry_run=dry_run)
+    lock_fd = acquire_writer_lock(root, record_pid=not dry_run)
     try:
         stage = root / STAGE_DIR
         if stage.exists():
@@ -345,27 +342,6 @@ def recover_store(
         return report
     finally:
         os.close(lock_fd)
-
-
-def _lock(root: Path, *, dry_run: bool) -> int:
-    """The writer lock (flock on LOCK); a dry run takes it without writing its pid."""
-    path = root / LOCK_NAME
-    try:
-        if dry_run:
-            fd = os.open(path if path.exists() else root, os.O_RDONLY | os.O_CLOEXEC)
-        else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-    except OSError as e:
-        raise IOFailure(f"cannot open {path}", e.errno) from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise LockedError(f"store {root} is locked by a writer; close it first") from None
-    if not dry_run:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 # -- sources ------------------------------------------------------------------------

@@ -24,7 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import threading
@@ -43,7 +42,6 @@ from kvstore.errors import (
     CorruptionError,
     IOFailure,
     KVStoreError,
-    LockedError,
     PinError,
     ReadOnlyError,
     StoreFullError,
@@ -62,7 +60,6 @@ from kvstore.format.constants import (
 from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
 from kvstore.format.names import (
     INDEX_DIR,
-    LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
     WAL_DIR,
@@ -105,7 +102,7 @@ from kvstore.index.table import (
 from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
 from kvstore.io.files import (
-    FILE_MODE,
+    acquire_writer_lock,
     fsync_dir,
     probe_direct_io,
     probe_direct_read,
@@ -284,7 +281,7 @@ class KVStore:
             max_page_bytes=superblock.max_page_bytes,
         )
         if not readonly:
-            self._lock_fd = _acquire_writer_lock(root)
+            self._lock_fd = acquire_writer_lock(root)
         try:
             self._open_state()
         except BaseException:
@@ -1908,20 +1905,6 @@ class KVStore:
         mode = "readonly" if self.readonly else "writer"
         state = "closed" if self._closed else "open"
         return f"<KVStore {str(self.root)!r} {mode} {state}>"
-
-
-def _acquire_writer_lock(root: Path) -> int:
-    path = root / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise LockedError(f"store {root} is locked by another writer (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def _create_store(root: Path, config: StoreConfig) -> None:

@@ -16,6 +16,7 @@ from kvstore.errors import IOFailure
 from kvstore.format.constants import BLOCK_BYTES
 
 __all__ = [
+    "acquire_writer_lock",
     "fsync_dir",
     "open_data_file",
     "probe_direct_io",
@@ -115,3 +116,38 @@ def probe_direct_read(path: Path) -> bool:
     finally:
         block.close()
         os.close(fd)
+
+
+def acquire_writer_lock(root: Path, *, record_pid: bool = True) -> int:
+    """Take the store's single-writer flock on ``root/LOCK``; the caller closes the fd.
+
+    With ``record_pid`` the holder's pid is written into the file, so a second
+    writer's LockedError can name it; without (a dry run) nothing is created
+    or written.
+    """
+    import fcntl
+
+    from kvstore.errors import LockedError
+    from kvstore.format.names import LOCK_NAME
+
+    path = root / LOCK_NAME
+    try:
+        if record_pid:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        else:
+            fd = os.open(path if path.exists() else root, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise IOFailure(f"cannot open {path}", e.errno) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:  # the fd is the directory in a dry run
+            holder = "unknown"
+        os.close(fd)
+        raise LockedError(f"store {root} is locked by another writer (pid {holder})") from None
+    if record_pid:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
