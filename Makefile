@@ -41,7 +41,7 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python tools/bench.py --dir ./bench-data
 
 torture: $(BIN)/.dev-installed
-	$(BIN)/python tools/torture.py --dir ./torture-data --cycles 200
+	$(BIN)/python tools/crashloop.py --dir ./torture-data --cycles 200 --capacity-mib 64 --retain
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) ./bench-data ./torture-data
