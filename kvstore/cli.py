@@ -97,7 +97,11 @@ def init(path: Path, segment_mib: int, max_page_mib: int) -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def stat(path: Path, as_json: bool) -> None:
-    """Show the state of the store at PATH (opens it read-only)."""
+    """Show the state of the store at PATH (opens it read-only).
+
+    Includes the lifetime telemetry: host_bytes, store_bytes (by kind),
+    write_amplification, dwpd over 1h/24h/7d (see docs/operations.md, "Wear").
+    """
     with _errors(), KVStore.open(path, readonly=True) as store:
         stats = store.stats().as_dict()
         if as_json:
@@ -105,7 +109,7 @@ def stat(path: Path, as_json: bool) -> None:
             return
         table = Table(title=f"kvstore {path}", show_header=False)
         for name, value in stats.items():
-            if name == "counters":
+            if name in ("counters", "telemetry", "throughput"):
                 continue
             table.add_row(name, _human(name, value))
         console.print(table)
@@ -114,6 +118,10 @@ def stat(path: Path, as_json: bool) -> None:
 def _human(name: str, value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and "bytes" in name:
         return f"{value:,} ({value / (1 << 20):,.1f} MiB)"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{key}={_human(name, item)}" for key, item in value.items())
     return str(value)
 
 
@@ -306,6 +314,189 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
         if report.moved_aside:
             console.print(f"  moved aside: {', '.join(report.moved_aside)}")
     sys.exit(RECOVER_LOST if report.lost else RECOVER_OK)
+
+
+# -- wear, metrics, report ---------------------------------------------------
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--device", help="Block device for SMART (default: the one holding PATH).")
+@click.option("--capacity-bytes", type=int, help="Drive capacity for DWPD (overrides).")
+@click.option("--rated-dwpd", type=float, help="The drive's rated DWPD (overrides).")
+@click.option("--warranty-years", type=float, help="The drive's warranty (overrides).")
+@click.option(
+    "--interval",
+    type=float,
+    default=0.0,
+    help="Sample the device and the store twice this many seconds apart, to show the "
+    "store's share of the device's writes meanwhile.",
+)
+def wear(
+    path: Path,
+    as_json: bool,
+    device: str | None,
+    capacity_bytes: int | None,
+    rated_dwpd: float | None,
+    warranty_years: float | None,
+    interval: float,
+) -> None:
+    """How fast the store at PATH wears its drive: WA, DWPD, SMART, projected life.
+
+    Reads the persisted counters (works beside a live writer; at most one
+    telemetry flush interval old). What each number means: docs/operations.md.
+    """
+    import dataclasses
+
+    from kvstore.telemetry import read_snapshot
+    from kvstore.telemetry.smart import read_smart
+    from kvstore.telemetry.wear import detect_drive
+
+    with _errors():
+        snapshot = read_snapshot(path, device=device, capacity_bytes=capacity_bytes)
+        if rated_dwpd is not None or warranty_years is not None:
+            settings = snapshot.wear
+            snapshot = dataclasses.replace(
+                snapshot,
+                wear=dataclasses.replace(
+                    settings,
+                    rated_dwpd=rated_dwpd or settings.rated_dwpd,
+                    warranty_years=warranty_years or settings.warranty_years,
+                ),
+            )
+        drive = detect_drive(path, device)
+        smart = read_smart(device or drive.name, sysfs_written=drive.written_bytes_since_boot)
+        report = snapshot.wear_report().as_dict()
+        report["drive"] = dataclasses.asdict(drive)
+        report["smart"] = smart.as_dict()
+        if smart.data_written_bytes:
+            report["store_share_of_device_lifetime_writes"] = (
+                report["store_bytes"] / smart.data_written_bytes  # type: ignore[operator]
+            )
+        if interval > 0:
+            report["interval"] = _sample_share(path, device, drive.name, interval)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True, default=str))
+        return
+    table = Table(title=f"kvstore wear {path}", show_header=False)
+    for name, value in report.items():
+        if name in ("drive", "smart", "notes", "interval"):
+            continue
+        table.add_row(name, _human(name, value))
+    console.print(table)
+    if smart.available:
+        console.print(
+            f"SMART ({smart.source}, {smart.device}): data written "
+            f"{smart.data_written_bytes or 0:,} bytes, percentage used {smart.percentage_used}%, "
+            f"power-on hours {smart.power_on_hours}"
+        )
+    else:
+        console.print(f"[yellow]{smart.reason}[/yellow]")
+        if smart.written_bytes_since_boot is not None:
+            console.print(
+                f"sysfs: {smart.written_bytes_since_boot:,} bytes written to "
+                f"{smart.device} since boot (block layer, not drive wear)"
+            )
+    if "interval" in report:
+        console.print(f"interval: {report['interval']}")
+    for note in report["notes"]:  # type: ignore[attr-defined]
+        console.print(f"note: {note}")
+
+
+def _sample_share(
+    path: Path, device: str | None, drive_name: str | None, seconds: float
+) -> dict[str, object]:
+    """The store's share of the device's writes over ``seconds`` (SMART, else sysfs)."""
+    from kvstore.telemetry import read_snapshot
+    from kvstore.telemetry.smart import read_smart
+    from kvstore.telemetry.wear import detect_drive
+
+    def device_written() -> tuple[int | None, str]:
+        drive = detect_drive(path, device)
+        smart = read_smart(device or drive_name, sysfs_written=drive.written_bytes_since_boot)
+        if smart.data_written_bytes is not None:
+            return smart.data_written_bytes, smart.source
+        return drive.written_bytes_since_boot, "sysfs"
+
+    store_before = read_snapshot(path).wear_report().store_bytes
+    device_before, source = device_written()
+    time.sleep(seconds)
+    store_after = read_snapshot(path).wear_report().store_bytes
+    device_after, _ = device_written()
+    out: dict[str, object] = {
+        "seconds": seconds,
+        "store_bytes": store_after - store_before,
+        "device_source": source,
+    }
+    if device_before is not None and device_after is not None:
+        out["device_bytes"] = device_after - device_before
+        if device_after > device_before:
+            out["store_share"] = (store_after - store_before) / (device_after - device_before)
+    return out
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--port", type=int, required=True, help="HTTP port for /metrics.")
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--device", help="Also export the drive's SMART wear (runs nvme/smartctl).")
+def metrics(path: Path, port: int, addr: str, device: str | None) -> None:
+    """Serve the store's Prometheus metrics on http://ADDR:PORT/metrics.
+
+    Reads the persisted counters at each scrape, so it runs beside the writer
+    (an engine can instead mount KVStore.metrics_registry()).
+    """
+    from prometheus_client import start_http_server
+
+    from kvstore.telemetry import read_snapshot
+    from kvstore.telemetry.prometheus import registry_for
+    from kvstore.telemetry.smart import SmartReport, read_smart
+
+    with _errors():
+        read_snapshot(path)  # fail now, not at the first scrape, if PATH is no store
+
+    smart_reader = None
+    if device is not None:
+
+        def smart_reader() -> SmartReport:
+            return read_smart(device)
+
+    registry = registry_for(lambda: read_snapshot(path), smart_reader)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # before the server thread starts
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    click.echo(f"serving metrics of {path} on http://{addr}:{server.server_port}/metrics")
+    sys.stdout.flush()
+    try:
+        signal.sigwait(stop_signals)
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--html", "html_path", type=click.Path(path_type=Path), required=True)
+@click.option("--days", default=30, show_default=True, help="How many days to plot.")
+@click.option("--png-dir", type=click.Path(path_type=Path), help="Also write each plot here.")
+def report(path: Path, html_path: Path, days: int, png_dir: Path | None) -> None:
+    """Write a self-contained HTML report of the store's wear and performance.
+
+    Daily writes against the DWPD budget, write amplification, throughput and
+    latency over time (matplotlib plots embedded in the page).
+    """
+    from kvstore.telemetry import read_snapshot
+    from kvstore.telemetry.report import render_html
+
+    with _errors():
+        page, images = render_html(read_snapshot(path), days=days)
+    html_path.write_text(page)
+    if png_dir is not None:
+        png_dir.mkdir(parents=True, exist_ok=True)
+        for index, image in enumerate(images, 1):
+            (png_dir / f"plot{index}.png").write_bytes(image)
+    console.print(f"wrote {html_path} ({len(page):,} bytes, {len(images)} plots)")
 
 
 # -- demo --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.format.constants import BLOCK_BYTES, MAX_PAGE_BYTES_LIMIT
@@ -34,6 +35,18 @@ class StoreConfig:
     gc_reserve_segments: int = 1  # segments only GC may fill (room to relocate)
     gc_live_ratio: float = 0.5  # compact sealed segments less live than this
     gc_interval_s: float = 1.0  # background GC period; 0 disables the GC thread
+    # Telemetry (docs/operations.md, "Wear and performance"). Counters are persisted
+    # at most every telemetry_flush_interval_s (and at each checkpoint and close):
+    # a kill -9 loses at most that much counting.
+    telemetry_flush_interval_s: float = 1.0
+    telemetry_retention_hours: int = 35 * 24  # hourly buckets kept (>= 30 days)
+    telemetry_clock: Callable[[], float] | None = None  # wall clock, seconds; tests inject
+    # Wear model and DWPD budget. None: read from the device where possible, else assumed.
+    drive_capacity_bytes: int | None = None
+    rated_dwpd: float | None = None
+    warranty_years: float | None = None
+    max_dwpd: float | None = None  # set: puts beyond this many drive writes/day return False
+    max_dwpd_burst_s: float = 10.0  # the budget's bucket holds this many seconds of writes
 
     def validate(self) -> None:
         if self.segment_bytes % BLOCK_BYTES or self.segment_bytes < 4 * BLOCK_BYTES:
@@ -64,3 +77,14 @@ class StoreConfig:
             raise ValueError("low_watermark_segments and gc_reserve_segments must be >= 1")
         if self.flush_interval_ms <= 0 or self.io_depth < 1 or self.lsn_lease_step < 1:
             raise ValueError("flush_interval_ms, io_depth and lsn_lease_step must be positive")
+        if self.telemetry_flush_interval_s <= 0 or self.telemetry_retention_hours < 30 * 24:
+            raise ValueError(
+                "telemetry_flush_interval_s must be positive and telemetry_retention_hours "
+                "at least 720 (30 days)"
+            )
+        for name in ("drive_capacity_bytes", "rated_dwpd", "warranty_years", "max_dwpd"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive (or None), got {value}")
+        if self.max_dwpd_burst_s <= 0:
+            raise ValueError("max_dwpd_burst_s must be positive")

@@ -29,12 +29,14 @@ import os
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+import lmdb
 
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -74,6 +76,7 @@ from kvstore.format.records import (
 )
 from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
+    WAL_FILE_HEADER_BYTES,
     MoveBody,
     PutBody,
     encode_delete,
@@ -117,9 +120,15 @@ from kvstore.log.segments import (
 )
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
+from kvstore.telemetry import TelemetrySnapshot, resolve_capacity, snapshot_of
+from kvstore.telemetry import counters as tc
+from kvstore.telemetry.budget import DwpdBudget
+from kvstore.telemetry.wear import WearReport
 from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from kvstore.check import Finding
 
 __all__ = ["KVStore"]
@@ -214,6 +223,11 @@ class _PendingPut:
     buffer: AlignedBuffer
     segment: Segment
     span: int
+    started_ns: int = 0  # when put_many began: put latency is until the page is published
+
+
+# Throughput windows reported by stats() and the exporter (seconds).
+_THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
 
 
 class KVStore:
@@ -306,6 +320,7 @@ class KVStore:
         self._checkpoint_lsn = recovered.checkpoint_lsn
         self.recovery_notes = list(recovered.notes)
         self.replayed_records = recovered.replayed_records
+        self._open_telemetry()
         # Never reissue an LSN that a crashed writer may have stamped on a record.
         self._next_lsn = recovered.lsn_lease
         self._lease_until = self._next_lsn
@@ -367,14 +382,20 @@ class KVStore:
         self._flusher: threading.Thread | None = None
         self._gc_thread: threading.Thread | None = None
         self._prepare_thread: threading.Thread | None = None
+        self._telemetry_thread: threading.Thread | None = None
         if self.readonly:
             return
         self._choose_active_segment()
         chain = recovered.wal_files
         prev = chain[-1].first_lsn if chain else 0
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
+        self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
+        self._telemetry_thread = threading.Thread(
+            target=self._telemetry_loop, name="kvstore-telemetry", daemon=True
+        )
+        self._telemetry_thread.start()
         self._prepare_thread = threading.Thread(
             target=self._prepare_loop, name="kvstore-prepare", daemon=True
         )
@@ -467,8 +488,12 @@ class KVStore:
                     self._gc_thread.join()
                 if self._flusher is not None:
                     self._flusher.join()
+                if self._telemetry_thread is not None:
+                    self._telemetry_thread.join()
                 if self._failed is None:
-                    self._checkpoint()
+                    self._checkpoint()  # persists the telemetry too
+                else:
+                    self._persist_telemetry()
         finally:
             self._release_resources()
 
@@ -585,6 +610,8 @@ class KVStore:
                 with self._cond:
                     self._spare = spare
                     self._preparing = False
+                    if spare is not None:
+                        self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
                     self._cond.notify_all()
 
     def _claim_spare(self) -> tuple[int, int] | None:
@@ -619,6 +646,7 @@ class KVStore:
             generation = self._take_lsn()
             segment = self._new_segment(segment_id, generation)
             self._next_segment_id += 1
+            self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
         segment_id, generation = segment.segment_id, segment.generation
         self._spare_wanted.set()
         if self._active is not None:
@@ -755,6 +783,17 @@ class KVStore:
             prepared.append((key, view, meta))
         if not prepared:
             return []
+        started_ns = time.perf_counter_ns()
+        admitted: list[bool] | None = None
+        if self._budget is not None:
+            spans = [record_span(view.nbytes) for _, view, _ in prepared]
+            with self._lock:
+                admitted = self._budget.admit(spans, tc.store_bytes(self._tv))
+                for ok, (_, view, _) in zip(admitted, prepared, strict=True):
+                    if not ok:
+                        self._tv[tc.DECLINED_PUTS] += 1
+                        self._tv[tc.DECLINED_BYTES] += view.nbytes
+            prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
         queue = self._engine.queue()
         in_flight: dict[int, _PendingPut] = {}
         error: KVStoreError | None = None
@@ -787,7 +826,7 @@ class KVStore:
                 )
                 # Registered before anything else can raise: the cleanup below
                 # releases the reservation of a page that was never submitted.
-                in_flight[token] = _PendingPut(key, entry, buffer, segment, span)
+                in_flight[token] = _PendingPut(key, entry, buffer, segment, span, started_ns)
                 block = buffer.view
                 encode_record_header_into(
                     block,
@@ -822,9 +861,9 @@ class KVStore:
                     self._buffers.release(pending.buffer)
         if error is not None:
             raise error
-        if sync:
+        if sync and prepared:
             self.flush()
-        return [True] * len(prepared)
+        return [True] * len(prepared) if admitted is None else admitted
 
     def _complete_puts(
         self, queue: IOQueue, in_flight: dict[int, _PendingPut], wanted: int
@@ -863,6 +902,8 @@ class KVStore:
                     )
                 )
             published.append(pending)
+        done_ns = time.perf_counter_ns()
+        tv = self._tv
         with self._lock:
             for pending in published:
                 self._finish_inflight(pending.segment.segment_id)
@@ -878,6 +919,10 @@ class KVStore:
                 self._counters["puts"] += 1
                 self._counters["host_bytes_written"] += pending.entry.payload_bytes
                 self._counters["segment_bytes_written"] += pending.span
+                tv[tc.PUTS] += 1
+                tv[tc.HOST] += pending.entry.payload_bytes
+                tv[tc.RECORD_OVERHEAD] += pending.span - pending.entry.payload_bytes
+                tc.observe(tv, tc.OP_PUT, done_ns - pending.started_ns)
         for pending in published:
             self._buffers.release(pending.buffer)
         return error
@@ -899,6 +944,7 @@ class KVStore:
                 self._retains.discard(raw)
                 self._policy.on_delete(raw)
                 self._counters["deletes"] += 1
+                self._tv[tc.DELETES] += 1
                 return True
         if lease_needed:
             self._extend_lease()
@@ -929,6 +975,7 @@ class KVStore:
             lsn_mark = self._next_lsn - 1
         if not records and not dirty:
             return
+        started_ns = time.perf_counter_ns()
         for segment in dirty:
             try:
                 os.fdatasync(segment.fd)
@@ -946,8 +993,11 @@ class KVStore:
         with self._lock:
             self._durable_lsn = max(self._durable_lsn, lsn_mark)
             self._counters["commits"] += 1
+            self._tv[tc.COMMITS] += 1
+            tc.observe(self._tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
             if records:
                 self._counters["wal_bytes_written"] += len(joined)
+                self._tv[tc.WAL] += len(joined)
 
     def checkpoint(self) -> None:
         """Write the overlay to LMDB and drop WAL files it covers."""
@@ -987,10 +1037,13 @@ class KVStore:
                         with self._lock:
                             self._table.thaw(frozen)
                         raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
+                    with self._lock:
+                        self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
                 finally:
                     with self._cond:
                         self._freezing -= 1
                         self._cond.notify_all()
+            wchar_before = tc.read_io_wchar()
             try:
                 self._table.commit_frozen(frozen, segments, dropped, meta, retains)
             except BaseException:
@@ -1006,8 +1059,13 @@ class KVStore:
                 if wal_first < first_lsn:
                     path.unlink(missing_ok=True)
             self._last_checkpoint = time.monotonic()
+            wchar_after = tc.read_io_wchar()
             with self._lock:
                 self._counters["checkpoints"] += 1
+                self._tv[tc.CHECKPOINTS] += 1
+                if wchar_before is not None and wchar_after is not None:
+                    self._tv[tc.INDEX] += wchar_after - wchar_before
+            self._persist_telemetry_locked()
 
     def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
@@ -1129,6 +1187,7 @@ class KVStore:
     def _read_held(
         self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
     ) -> list[int | None]:
+        started_ns = time.perf_counter_ns()
         results: list[int | None] = [None] * len(wanted)
         queue = self._engine.queue()
         buffers: dict[int, AlignedBuffer] = {}
@@ -1172,6 +1231,8 @@ class KVStore:
                 for index, _ in queue.wait(queue.in_flight):
                     self._buffers.release(buffers.pop(index))
         hits = sum(1 for r in results if r is not None)
+        done_ns = time.perf_counter_ns()
+        tv = self._tv
         with self._lock:
             for (read_key, _), outcome in zip(wanted, results, strict=True):
                 if outcome is not None:
@@ -1180,6 +1241,11 @@ class KVStore:
             self._counters["hits"] += hits
             self._counters["misses"] += len(wanted) - hits
             self._counters["bytes_read"] += sum(r for r in results if r is not None)
+            tv[tc.GETS] += len(wanted)
+            tv[tc.HITS] += hits
+            tv[tc.MISSES] += len(wanted) - hits
+            tv[tc.READ_BYTES] += sum(r for r in results if r is not None)
+            tc.observe(tv, tc.OP_GET, done_ns - started_ns)
         if error is not None:
             raise error
         return results
@@ -1187,6 +1253,7 @@ class KVStore:
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
         self._check_open()
+        started_ns = time.perf_counter_ns()
         wanted = [self._entry(key)]
         self._hold(wanted)
         raw, entry = wanted[0]
@@ -1200,16 +1267,23 @@ class KVStore:
                 finally:
                     self._buffers.release(buffer)
         finally:
+            done_ns = time.perf_counter_ns()
+            tv = self._tv
             with self._lock:
                 if entry is not None:
                     self._release_reader(entry.segment_id)
                 self._counters["gets"] += 1
+                tv[tc.GETS] += 1
                 if data is None:
                     self._counters["misses"] += 1
+                    tv[tc.MISSES] += 1
                 else:
                     self._counters["hits"] += 1
                     self._counters["bytes_read"] += len(data)
+                    tv[tc.HITS] += 1
+                    tv[tc.READ_BYTES] += len(data)
                     self._policy.on_read(raw)
+                tc.observe(tv, tc.OP_GET, done_ns - started_ns)
         return data
 
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
@@ -1243,6 +1317,8 @@ class KVStore:
             with self._lock:
                 self._counters["gets"] += 1
                 self._counters["misses"] += 1
+                self._tv[tc.GETS] += 1
+                self._tv[tc.MISSES] += 1
             return None
         if entry.payload_bytes > target.nbytes:
             raise ValueError(
@@ -1349,6 +1425,7 @@ class KVStore:
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
         started = time.monotonic()
+        started_ns = time.perf_counter_ns()
         report = _GCTally()
         with self._gc_lock:
             if full:
@@ -1358,17 +1435,26 @@ class KVStore:
             if self._capacity_segments is not None:
                 self._evict_until_watermark(report)
         self._last_gc = time.monotonic()
+        self._count_gc_pass(started_ns)
         return report.freeze(time.monotonic() - started)
+
+    def _count_gc_pass(self, started_ns: int) -> None:
+        elapsed_ns = time.perf_counter_ns() - started_ns
+        with self._lock:
+            self._tv[tc.GC_PASSES] += 1
+            tc.observe(self._tv, tc.OP_GC, elapsed_ns)
 
     def _gc_loop(self) -> None:
         while not self._stop.wait(self.config.gc_interval_s):
             try:
+                started_ns = time.perf_counter_ns()
                 with self._gc_lock:
                     tally = _GCTally()
                     self._free_empty_segments(tally)
                     self._compact_sparse(tally)
                     if self._capacity_segments is not None:
                         self._evict_until_watermark(tally)
+                self._count_gc_pass(started_ns)
             except (KVStoreError, OSError):
                 if self._failed is not None or self._closed:
                     return
@@ -1420,6 +1506,7 @@ class KVStore:
             segment.path.unlink(missing_ok=True)
         with self._lock:
             self._counters["segments_freed"] += 1
+            self._tv[tc.SEGMENTS_FREED] += 1
         tally.segments_freed += 1
         return True
 
@@ -1477,6 +1564,8 @@ class KVStore:
             with self._cond:
                 self._spare = spare
                 self._preparing = False
+                if spare is not None:
+                    self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
                 self._cond.notify_all()
         return True
 
@@ -1604,6 +1693,8 @@ class KVStore:
             self._pending.append(encode_delete(entry.lsn, key))
             self._policy.on_delete(key)
             self._evictions[self._policy.name] += 1
+            self._tv[tc.EVICTED_PAGES] += 1
+            self._tv[tc.EVICTED_BYTES] += entry.payload_bytes
         tally.pages_evicted += 1
         tally.bytes_evicted += entry.payload_bytes
         return True
@@ -1743,6 +1834,7 @@ class KVStore:
             segment.dirty = True
             self._counters["segment_bytes_written"] += span
             self._counters["gc_bytes_copied"] += span
+            self._tv[tc.GC_COPY] += span
             if self._table.get(key) != entry:
                 return  # overwritten or deleted meanwhile: the copy is garbage
             old = (entry.segment_id, entry.generation, entry.offset)
@@ -1767,6 +1859,7 @@ class KVStore:
                 )
             )
             self._counters["gc_pages_moved"] += 1
+            self._tv[tc.GC_MOVED_PAGES] += 1
         tally.pages_moved += 1
         tally.bytes_moved += span
 
@@ -1846,6 +1939,8 @@ class KVStore:
 
     def stats(self) -> StoreStats:
         self._check_open()
+        snapshot = self.telemetry_snapshot()
+        wear = snapshot.wear_report()
         with self._lock:
             counters = dict(self._counters)
             wal_bytes = self._wal.size_bytes if self._wal is not None else 0
@@ -1858,7 +1953,6 @@ class KVStore:
             by_state = {"active": 0, "sealed": 0}
             for state in self._segment_states.values():
                 by_state["active" if state.state == SEGMENT_ACTIVE else "sealed"] += 1
-            host = counters["host_bytes_written"]
             return StoreStats(
                 path=str(self.root),
                 format_version=FORMAT_VERSION,
@@ -1889,12 +1983,206 @@ class KVStore:
                 eviction_policy=self._policy.name,
                 evictions=dict(self._evictions),
                 gc_bytes_copied=counters["gc_bytes_copied"],
-                write_amplification=(
-                    (counters["segment_bytes_written"] + counters["wal_bytes_written"]) / host
-                    if host
-                    else 0.0
-                ),
+                write_amplification=wear.write_amplification,
+                host_bytes=wear.host_bytes,
+                store_bytes=wear.store_bytes,
+                store_bytes_by_kind=wear.store_bytes_by_kind,
+                dwpd=wear.dwpd,
+                drive_capacity_bytes=wear.drive_capacity_bytes,
+                max_dwpd=wear.max_dwpd,
+                declined_puts=snapshot.counter("declined_puts"),
+                telemetry=snapshot.counters(),
+                throughput=snapshot.throughput,
             )
+
+    # -- telemetry -----------------------------------------------------------
+
+    def _open_telemetry(self) -> None:
+        """Load the persisted counters (LMDB ``telemetry`` database) and set up the
+        wear model and the DWPD budget. Never fails the open: see ``recovery_notes``."""
+        config = self.config
+        self._telemetry = tc.Telemetry(
+            config.telemetry_clock or time.time, config.telemetry_retention_hours
+        )
+        self._tv = self._telemetry.values
+        self._telemetry_db: Any = None
+        self._telemetry_saved: list[int] | None = None
+        self._telemetry_last_save = time.monotonic()
+        self._samples: deque[tuple[float, int, int, int, int, int]] = deque(maxlen=512)
+        env = self._env.env
+        try:
+            self._telemetry_db = env.open_db(tc.TELEMETRY_DB, create=not self.readonly)
+        except lmdb.NotFoundError:
+            self._telemetry_db = None  # read-only open of a store no writer has counted yet
+        except lmdb.Error as e:  # counting must never keep the store from opening
+            self._telemetry_db = None
+            self._telemetry.notes.append(f"cannot open the telemetry database: {e}")
+        if self._telemetry_db is not None:
+            try:
+                self._telemetry.load(env, self._telemetry_db)
+            except lmdb.Error as e:  # counting must never keep the store from opening
+                self._telemetry.notes.append(f"cannot read the counters ({e}); starting at zero")
+                self._telemetry.values[:] = [0] * tc.VECTOR_LEN
+            self.recovery_notes.extend(f"telemetry: {note}" for note in self._telemetry.notes)
+        if not self.readonly:
+            self._telemetry.wear = tc.WearSettings(
+                config.drive_capacity_bytes or 0,
+                config.rated_dwpd or 0.0,
+                config.warranty_years or 0.0,
+                config.max_dwpd or 0.0,
+            )
+        self._tv = self._telemetry.values  # load() replaced the list
+        self._drive_capacity, self._capacity_source = resolve_capacity(
+            self.root, self._telemetry.wear
+        )
+        self._budget: DwpdBudget | None = None
+        if config.max_dwpd is not None and not self.readonly:
+            if not self._drive_capacity:
+                raise ValueError(
+                    "max_dwpd needs the drive's capacity, which could not be read: "
+                    "set drive_capacity_bytes"
+                )
+            self._budget = DwpdBudget(
+                max_dwpd=config.max_dwpd,
+                capacity_bytes=self._drive_capacity,
+                burst_s=config.max_dwpd_burst_s,
+                clock=self._telemetry.clock,
+                min_burst_bytes=record_span(config.max_page_bytes),
+                written_bytes=tc.store_bytes(self._tv),
+            )
+
+    def _telemetry_loop(self) -> None:
+        """Sample throughput every second; persist the counters every
+        ``telemetry_flush_interval_s`` when they changed."""
+        interval = self.config.telemetry_flush_interval_s
+        while not self._stop.wait(min(1.0, interval)):
+            tv = self._tv
+            with self._lock:
+                self._samples.append(
+                    (
+                        time.monotonic(),
+                        tv[tc.HOST],
+                        tc.store_bytes(tv),
+                        tv[tc.READ_BYTES],
+                        tv[tc.PUTS],
+                        tv[tc.GETS],
+                    )
+                )
+            if time.monotonic() - self._telemetry_last_save >= interval:
+                self._persist_telemetry()
+
+    def _persist_telemetry(self) -> None:
+        with self._checkpoint_lock:
+            self._persist_telemetry_locked()
+
+    def _persist_telemetry_locked(self) -> None:
+        """Write the counters to LMDB if they changed. Caller holds ``_checkpoint_lock``
+        (so no other LMDB write transaction of this store runs meanwhile).
+
+        Never raises: a failed save is retried at the next one, and the error is kept
+        in the telemetry notes (``kvstore stat`` and ``wear`` show them)."""
+        if self.readonly or self._telemetry_db is None:
+            return
+        try:
+            self._save_telemetry()
+        except (lmdb.Error, OSError) as e:
+            note = f"saving the counters failed: {e}"
+            if note not in self._telemetry.notes:
+                self._telemetry.notes.append(note)
+
+    def _save_telemetry(self) -> None:
+        self._telemetry_last_save = time.monotonic()
+        with self._lock:
+            snapshot = list(self._tv)
+        # Its own bytes do not count as a change, or an idle store would write forever.
+        snapshot_key = snapshot[: tc.TELEMETRY] + snapshot[tc.TELEMETRY + 1 :]
+        if self._telemetry_saved == snapshot_key and (
+            int(self._telemetry.clock() // tc.SECONDS_PER_HOUR) == self._telemetry.hour
+        ):
+            return
+        before = tc.read_io_wchar()
+        self._telemetry.save(self._env.env, self._telemetry_db, snapshot, self._telemetry.clock())
+        after = tc.read_io_wchar()
+        self._telemetry_saved = snapshot_key
+        if before is not None and after is not None:
+            with self._lock:
+                self._tv[tc.TELEMETRY] += after - before
+
+    def _throughput(self) -> dict[str, dict[str, float]]:
+        """Rates over the recent windows, from the telemetry thread's 1 s samples."""
+        with self._lock:
+            samples = list(self._samples)
+            tv = self._tv
+            now = (
+                time.monotonic(),
+                tv[tc.HOST],
+                tc.store_bytes(tv),
+                tv[tc.READ_BYTES],
+                tv[tc.PUTS],
+                tv[tc.GETS],
+            )
+        rates: dict[str, dict[str, float]] = {}
+        for name, window in _THROUGHPUT_WINDOWS_S.items():
+            older = [sample for sample in samples if now[0] - sample[0] <= window]
+            if not older:
+                continue
+            first = older[0]
+            seconds = now[0] - first[0]
+            if seconds <= 0:
+                continue
+            rates[name] = {
+                "seconds": seconds,
+                "host_write_bytes_per_s": (now[1] - first[1]) / seconds,
+                "store_write_bytes_per_s": (now[2] - first[2]) / seconds,
+                "read_bytes_per_s": (now[3] - first[3]) / seconds,
+                "puts_per_s": (now[4] - first[4]) / seconds,
+                "gets_per_s": (now[5] - first[5]) / seconds,
+            }
+        return rates
+
+    def telemetry_snapshot(self) -> TelemetrySnapshot:
+        """Lifetime counters, hourly history and recent rates (see kvstore/telemetry)."""
+        self._check_open()
+        with self._lock:
+            values = list(self._tv)
+            gauges = {
+                "pages": float(len(self._table)),
+                "segments": float(len(self._segments)),
+                "live_bytes": float(
+                    sum(state.live_bytes for state in self._segment_states.values())
+                ),
+                "pinned_pages": float(sum(len(stack) for stack in self._pins.values())),
+                "retained_pages": float(len(self._retains)),
+            }
+            if self._capacity_bytes is not None:
+                gauges["capacity_bytes"] = float(self._capacity_bytes)
+        index_file = self.root / INDEX_DIR / "data.mdb"
+        try:
+            gauges["page_table_bytes"] = float(index_file.stat().st_size)
+        except OSError:
+            pass
+        return snapshot_of(
+            self._telemetry,
+            values,
+            path=str(self.root),
+            capacity_bytes=self._drive_capacity,
+            capacity_source=self._capacity_source,
+            live=not self.readonly,
+            throughput=self._throughput() if not self.readonly else None,
+            gauges=gauges,
+        )
+
+    def wear(self) -> WearReport:
+        """Write amplification, DWPD over 1 h / 24 h / 7 d, projected drive life."""
+        return self.telemetry_snapshot().wear_report()
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """A prometheus_client registry with this store's metrics, to mount in the engine
+        (e.g. ``prometheus_client.make_wsgi_app(store.metrics_registry())``); each
+        scrape reads the live counters."""
+        from kvstore.telemetry.prometheus import registry_for
+
+        return registry_for(self.telemetry_snapshot)
 
     def segment_states(self) -> dict[int, SegmentState]:
         """A copy of the per-segment accounting (for tools and tests)."""

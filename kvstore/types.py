@@ -62,7 +62,18 @@ class StoreStats:
     eviction_policy: str = "fifo"
     evictions: Mapping[str, int] = field(default_factory=dict)
     gc_bytes_copied: int = 0
+    # Lifetime telemetry (persisted; survives restarts). write_amplification is
+    # store_bytes / host_bytes over every kind of byte the store wrote.
     write_amplification: float = 0.0
+    host_bytes: int = 0
+    store_bytes: int = 0
+    store_bytes_by_kind: Mapping[str, int] = field(default_factory=dict)
+    dwpd: Mapping[str, float] = field(default_factory=dict)
+    drive_capacity_bytes: int | None = None
+    max_dwpd: float | None = None
+    declined_puts: int = 0
+    telemetry: Mapping[str, int] = field(default_factory=dict)
+    throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field."""
