@@ -8,8 +8,11 @@ BIN    := $(VENV)/bin
 # requirement would pull several GB of CUDA wheels.
 TORCH  ?= torch==2.13.0
 DEMO_DIR ?= ./kvstore-demo
+# The engine adapters are tested in their own venv (vLLM, LMCache, transformers;
+# CPU only), kept apart from the core install: tools/setup_integ_env.sh.
+VENV_INTEG ?= .venv-integ
 
-.PHONY: run test lint typecheck unit bench torture clean
+.PHONY: run test lint typecheck unit integ bench torture clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +38,11 @@ typecheck: $(BIN)/.dev-installed
 unit: $(BIN)/.dev-installed
 	$(BIN)/pytest -q -x --timeout=600
 
-test: lint typecheck unit
+integ:
+	PYTHON=$(PYTHON) VENV_INTEG=$(VENV_INTEG) TORCH=$(TORCH) tools/setup_integ_env.sh
+	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 tests/integrations
+
+test: lint typecheck unit integ
 
 bench: $(BIN)/.dev-installed
 	$(BIN)/python tools/bench.py --dir ./bench-data
@@ -44,4 +51,4 @@ torture: $(BIN)/.dev-installed
 	$(BIN)/python tools/crashloop.py --dir ./torture-data --cycles 200 --capacity-mib 64 --retain
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) ./bench-data ./torture-data
+	rm -rf $(VENV) $(VENV_INTEG) $(DEMO_DIR) ./bench-data ./torture-data
