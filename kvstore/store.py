@@ -182,6 +182,21 @@ def _meta_bytes(meta: Meta | None) -> bytes:
     return raw
 
 
+def _writable_view(buffer: object) -> memoryview:
+    """A flat, writable byte view of ``buffer``, or a TypeError/ValueError saying why not."""
+    try:
+        target = memoryview(buffer)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"buffer must support the buffer protocol, not {type(buffer).__name__}"
+        ) from None
+    if target.readonly:
+        raise TypeError("buffer must be writable")
+    if not target.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    return target.cast("B") if target.format != "B" or target.ndim != 1 else target
+
+
 def _decode_meta(raw: bytes) -> dict[str, Any]:
     if not raw:
         return {}
@@ -1301,17 +1316,7 @@ class KVStore:
     def get_into(self, key: Key, buffer: object) -> int | None:
         """Read ``key`` into the caller's writable buffer; bytes written, or None."""
         self._check_open()
-        try:
-            target = memoryview(buffer)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(
-                f"buffer must support the buffer protocol, not {type(buffer).__name__}"
-            ) from None
-        if target.readonly:
-            raise TypeError("buffer must be writable")
-        if not target.c_contiguous:
-            raise ValueError("buffer must be C-contiguous")
-        target = target.cast("B") if target.format != "B" or target.ndim != 1 else target
+        target = _writable_view(buffer)
         raw, entry = self._entry(key)
         if entry is None:
             with self._lock:
@@ -1330,6 +1335,36 @@ class KVStore:
             target[: payload.nbytes] = payload
 
         return self._read_entries([(raw, entry)], sink)[0]
+
+    def get_many_into(self, keys: Iterable[Key], buffers: Iterable[object]) -> list[int | None]:
+        """Read many pages into the caller's buffers with up to ``io_depth`` reads in flight.
+
+        ``buffers[i]`` receives ``keys[i]``; returns the bytes written per key, or
+        None for a miss. Every buffer is checked (writable, contiguous, large
+        enough for its page) before anything is read.
+        """
+        self._check_open()
+        wanted = [self._entry(key) for key in keys]
+        targets = [_writable_view(buffer) for buffer in buffers]
+        if len(targets) != len(wanted):
+            raise ValueError(f"{len(wanted)} keys but {len(targets)} buffers")
+        for (raw, entry), target in zip(wanted, targets, strict=True):
+            if entry is not None and entry.payload_bytes > target.nbytes:
+                raise ValueError(
+                    f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
+                    f"of {entry.payload_bytes} bytes"
+                )
+
+        def sink(index: int, payload: memoryview) -> None:
+            target = targets[index]
+            if payload.nbytes > target.nbytes:  # overwritten by a larger page meanwhile
+                raise ValueError(
+                    f"buffer of {target.nbytes} bytes is too small for page "
+                    f"{wanted[index][0]!r} of {payload.nbytes} bytes"
+                )
+            target[: payload.nbytes] = payload
+
+        return self._read_entries(wanted, sink)
 
     # -- pins and retains ------------------------------------------------
 

@@ -278,6 +278,37 @@ def test_get_into_rejects_unusable_buffers(store: KVStore) -> None:
         store.get_into("k", np.zeros(400, dtype=np.uint8)[::2])
 
 
+def test_get_many_into_fills_each_buffer(store: KVStore) -> None:
+    values = [page(i, 3000 + 1000 * i) for i in range(5)]
+    store.put_many([(f"k{i}", value) for i, value in enumerate(values)])
+    targets = [bytearray(b"\xee" * 8000) for _ in range(6)]
+    keys = ["k3", "missing", "k0", "k4", "k1", "k3"]
+    got = store.get_many_into(keys, targets)
+    assert got == [6000, None, 3000, 7000, 4000, 6000]
+    for key, target, n in zip(keys, targets, got, strict=True):
+        if n is None:
+            assert target == bytearray(b"\xee" * 8000)  # a miss leaves the buffer alone
+        else:
+            assert bytes(target[:n]) == values[int(key[1:])]
+            assert bytes(target[n:]) == b"\xee" * (8000 - n)
+    arrays = [np.zeros(7000, dtype=np.uint8) for _ in range(2)]
+    assert store.get_many_into(["k4", "k2"], arrays) == [7000, 5000]
+    assert arrays[1][:5000].tobytes() == values[2]
+    assert store.get_many_into([], []) == []
+
+
+def test_get_many_into_checks_every_buffer_before_reading(store: KVStore) -> None:
+    store.put_many([("a", b"a" * 100), ("b", b"b" * 200)])
+    first = bytearray(100)
+    with pytest.raises(ValueError, match="too small for page b'b'"):
+        store.get_many_into(["a", "b"], [first, bytearray(199)])
+    assert first == bytearray(100)  # nothing was read
+    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+        store.get_many_into(["a", "b"], [bytearray(300)])
+    with pytest.raises(TypeError, match="writable"):
+        store.get_many_into(["a"], [b"\x00" * 200])
+
+
 def test_info_describes_the_page_exactly(store: KVStore) -> None:
     first, second = page(1, 5000), page(2, 10)
     store.put("first", first, meta={"dtype": "float16", "layer": 3, "shape": [2, 4]})
