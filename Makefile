@@ -12,7 +12,7 @@ DEMO_DIR ?= ./kvstore-demo
 # CPU only), kept apart from the core install: tools/setup_integ_env.sh.
 VENV_INTEG ?= .venv-integ
 
-.PHONY: run test lint typecheck unit integ bench torture clean
+.PHONY: run test lint typecheck unit integ bench bench-full torture clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,8 @@ run: $(BIN)/.installed
 	$(BIN)/kvstore demo --path $(DEMO_DIR)
 
 lint: $(BIN)/.dev-installed
-	$(BIN)/ruff check kvstore tests tools
-	$(BIN)/ruff format --check kvstore tests tools
+	$(BIN)/ruff check kvstore tests tools benches
+	$(BIN)/ruff format --check kvstore tests tools benches
 
 typecheck: $(BIN)/.dev-installed
 	$(BIN)/mypy
@@ -45,7 +45,11 @@ integ:
 test: lint typecheck unit integ
 
 bench: $(BIN)/.dev-installed
-	$(BIN)/python tools/bench.py --dir ./bench-data
+	$(BIN)/pytest benches --benchmark-only -q
+	$(BIN)/python -m kvstore.bench --dir ./bench-data --compare --out ./bench-data/bench.json
+
+bench-full: $(BIN)/.dev-installed
+	$(BIN)/python -m kvstore.bench --dir ./bench-data --compare --scaling --plots docs/img --out docs/img/bench-run.json
 
 torture: $(BIN)/.dev-installed
 	$(BIN)/python tools/crashloop.py --dir ./torture-data --cycles 200 --capacity-mib 64 --retain

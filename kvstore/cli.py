@@ -39,6 +39,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvstore.bench.cli import bench as bench_command
 from kvstore.check import Finding, check_path, check_store
 from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, LockedError
 from kvstore.format.names import SUPERBLOCK_NAME
@@ -648,6 +649,11 @@ def demo_writer(path: Path, layers: int, blocks: int) -> None:
                 store.put(_demo_key(layer, block, "req1"), _demo_page(layer, block, 1), sync=True)
                 print(f"ack {layer} {block}", flush=True)
         time.sleep(60)  # wait to be killed
+
+
+# `kvstore bench` lives with the benchmark code (kvstore/bench/); imported here so
+# `kvstore --help` lists it. Its heavy imports (matplotlib) happen only when it runs.
+main.add_command(bench_command)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""``python -m kvstore.bench``: the same command as ``kvstore bench``."""
+
+from kvstore.bench.cli import bench
+
+bench()

@@ -1,0 +1,137 @@
+"""``kvstore bench``: the JSON document's shape, with tiny sizes and without fio.
+
+fio is hidden (PATH has no fio) so the test is fast and the same everywhere;
+the bench must then say fio is unavailable and still run everything else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvstore.bench.cli import bench
+from kvstore.bench.report import TARGETS
+
+KVSTORE_ROWS = {
+    "kvstore.put_durable",
+    "kvstore.get_many_cold",
+    "kvstore.get_single_cold",
+    "kvstore.mixed_70_30",
+}
+HOT_ROWS = {
+    "hot.cpu_put_many",
+    "hot.cpu_get_many",
+    "hot.lookup",
+    "hot.lookup_overlay",
+    "hot.lookup_entry",
+    "hot.pin_unpin",
+    "hot.pin_unpin_overlay",
+    "hot.meta_updates_g1",
+    "hot.meta_updates_g256",
+}
+PEER_ROWS = {
+    "peer.file_per_page_buffered",
+    "peer.file_per_page_fsync",
+    "peer.file_per_page_read_cold",
+    "peer.tmp_rename_fsync",
+    "peer.lmdb_1_per_txn",
+    "peer.lmdb_64_per_txn",
+    "peer.lmdb_read_cold",
+    "peer.safetensors_fsync",
+    "peer.safetensors_read_cold",
+    "peer.odirect_pool_write",
+    "peer.odirect_pool_read",
+}
+TINY = [
+    "--page-kib",
+    "64",
+    "--size-mib",
+    "2",
+    "--hot-pages",
+    "100",
+    "--peer-reads",
+    "16",
+    "--runtime",
+    "5",  # a cap, not a duration: tiny phases finish long before it
+    "--settle",
+    "0",
+    "--allow-buffered",  # tmp_path may be tmpfs
+    "--json",
+]
+
+
+@pytest.fixture
+def no_fio_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def _run(args: list[str]) -> dict[str, object]:
+    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    document = json.loads(result.stdout)  # stdout is exactly one JSON document
+    assert isinstance(document, dict)
+    assert "Done-when targets" in result.stderr  # the table went to stderr
+    return document
+
+
+@pytest.mark.usefixtures("no_fio_on_path")
+def test_compare_without_fio_reports_every_row(tmp_path: Path) -> None:
+    bench_dir = tmp_path / "bench"
+    document = _run(["--dir", str(bench_dir), "--compare", *TINY])
+
+    fio = document["fio"]
+    assert isinstance(fio, dict)
+    assert fio["available"] is False and fio["ran"] is False
+    assert "not found" in fio["reason"]
+
+    measurements = document["measurements"]
+    assert isinstance(measurements, list)
+    by_name = {m["name"]: m for m in measurements}
+    # pin_many/unpin_many are measured only where the store has them.
+    assert set(by_name) - {"hot.pin_unpin_batched"} == KVSTORE_ROWS | HOT_ROWS | PEER_ROWS | {
+        "hot.meta_updates_g16",
+        "hot.meta_updates_g1024",
+    }
+    assert not any(name.startswith("fio.") for name in by_name)
+
+    put = by_name["kvstore.put_durable"]
+    assert put["durable"] is True and put["page_bytes"] == 64 << 10
+    # 2 MiB is 32 pages of 64 KiB; the bench writes at least one batch of 64.
+    assert put["ops"] == 64 and put["bytes_moved"] == 64 * (64 << 10)
+    assert put["mb_per_s"] > 0 and put["p50_us"] <= put["p99_us"]
+    assert put["extra"]["user_us_per_page"] > 0
+    assert by_name["kvstore.get_many_cold"]["cold"] in ("O_DIRECT", "page cache (O_DIRECT refused)")
+    assert by_name["peer.file_per_page_buffered"]["durable"] is False
+    for name in ("peer.file_per_page_read_cold", "peer.lmdb_read_cold"):
+        assert by_name[name]["cold"] == "fadvise"
+        assert by_name[name]["ops"] == 16
+    assert by_name["hot.lookup"]["ops_per_s"] > 0
+
+    targets = {row["key"]: row for row in document["targets"]}  # type: ignore[union-attr]
+    assert set(targets) == {target.key for target in TARGETS}
+    # fio is absent and scaling did not run: those targets say so instead of guessing.
+    assert targets["vs_fio_writes"]["status"] == "not measured"
+    assert targets["scaling_pages"]["status"] == "not measured"
+    ratio = targets["durable_writes_vs_lmcache"]
+    assert ratio["status"] in ("met", "not met")
+    assert ratio["value"] == pytest.approx(
+        put["mb_per_s"] / by_name["peer.file_per_page_fsync"]["mb_per_s"]
+    )
+    # Scratch data is cleaned up after every phase.
+    assert [p.name for p in bench_dir.iterdir()] == []
+
+
+@pytest.mark.usefixtures("no_fio_on_path")
+def test_report_reprints_a_saved_run(tmp_path: Path) -> None:
+    saved = tmp_path / "run.json"
+    _run(["--dir", str(tmp_path / "bench"), "--out", str(saved), *TINY])
+    document = json.loads(saved.read_text())
+    assert {m["name"] for m in document["measurements"]} >= KVSTORE_ROWS
+    result = CliRunner().invoke(bench, ["--report", str(saved)])
+    assert result.exit_code == 0
+    assert "kvstore put_many(64, sync=True)" in result.stdout
