@@ -182,6 +182,14 @@ def _meta_bytes(meta: Meta | None) -> bytes:
     return raw
 
 
+def _quietly(release: Callable[[], object]) -> None:
+    """Run one release step of ``close``; an OSError must not skip the others."""
+    try:
+        release()
+    except (OSError, KVStoreError):
+        pass
+
+
 def _writable_view(buffer: object) -> memoryview:
     """A flat, writable byte view of ``buffer``, or a TypeError/ValueError saying why not."""
     try:
@@ -440,6 +448,12 @@ class KVStore:
 
     def _repair_after_crash(self, recovered: Recovered) -> None:
         """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
+        try:
+            self._repair_files(recovered)
+        except OSError as e:
+            raise IOFailure(f"cannot repair {self.root} after a crash", e.errno) from e
+
+    def _repair_files(self, recovered: Recovered) -> None:
         root = self.root
         kept = []
         for wal_file in recovered.wal_files:
@@ -517,25 +531,31 @@ class KVStore:
             self._release_resources()
 
     def _release_resources(self) -> None:
+        """Release everything, even when one step fails: above all the writer lock.
+
+        A failed unlink or close here loses nothing: the spare was never named
+        by the WAL (the next open removes it) and every descriptor is freed by
+        the kernel whatever close() returns.
+        """
         spare = getattr(self, "_spare", None)
         if spare is not None:  # never named by the WAL: remove it now, not at next open
-            spare.close()
-            spare.path.unlink(missing_ok=True)
             self._spare = None
+            _quietly(spare.close)
+            _quietly(lambda: spare.path.unlink(missing_ok=True))
         wal = getattr(self, "_wal", None)
         if wal is not None:
-            wal.close()
+            _quietly(wal.close)
         for segment in getattr(self, "_segments", {}).values():
-            segment.close()
+            _quietly(segment.close)
         env = getattr(self, "_env", None)
         if env is not None:
-            env.close()
+            _quietly(env.close)
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            engine.close()
+            _quietly(engine.close)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            _quietly(lambda: os.close(fd))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1083,7 +1103,10 @@ class KVStore:
             self._checkpoint_lsn = first_lsn
             for wal_first, path in list_wal_files(self.root):
                 if wal_first < first_lsn:
-                    path.unlink(missing_ok=True)
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError:
+                        break  # the checkpoint is durable; the next one (or open) retries
             self._last_checkpoint = time.monotonic()
             wchar_after = tc.read_io_wchar()
             with self._lock:
@@ -1549,7 +1572,10 @@ class KVStore:
             return False
         if not self._recycle(segment):
             segment.close()
-            segment.path.unlink(missing_ok=True)
+            try:
+                segment.path.unlink(missing_ok=True)
+            except OSError:
+                pass  # its SEGMENT_FREE is durable: the next open removes the orphan file
         with self._lock:
             self._counters["segments_freed"] += 1
             self._tv[tc.SEGMENTS_FREED] += 1

@@ -77,7 +77,10 @@ def probe_direct_io(directory: Path) -> bool:
         return True
     finally:
         os.close(fd)
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # a leftover dot-file in segments/ is removed by the next writer's open
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
@@ -148,6 +151,10 @@ def acquire_writer_lock(root: Path, *, record_pid: bool = True) -> int:
         os.close(fd)
         raise LockedError(f"store {root} is locked by another writer (pid {holder})") from None
     if record_pid:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            os.close(fd)  # never keep the lock after a failed open
+            raise IOFailure(f"cannot record the writer's pid in {path}", e.errno) from e
     return fd

@@ -83,7 +83,10 @@ def create_segment(
             raise IOFailure(f"cannot initialise segment {path}", e.errno) from e
     except BaseException:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # keep the first error; the next open removes the orphan file
         raise
     fsync_dir(root / SEGMENTS_DIR)
     return Segment(segment_id, generation, path, fd, size_bytes, BLOCK_BYTES, created)
@@ -170,6 +173,7 @@ def recycle_segment(
     block.view[:] = header
     try:
         os.rename(old.path, path)
+        old.path = path  # if the rest fails, the caller removes the file by its new name
         if os.pwritev(old.fd, [block.view], 0) != BLOCK_BYTES:
             raise IOFailure(f"short write of segment header to {path}")
         os.fdatasync(old.fd)

@@ -61,7 +61,11 @@ class WalWriter:
         except OSError as e:
             os.close(fd)
             raise WriterFailedError(f"cannot initialise WAL file {path}", e.errno) from e
-        fsync_dir(self.root / WAL_DIR)
+        try:
+            fsync_dir(self.root / WAL_DIR)
+        except IOFailure:
+            os.close(fd)
+            raise
         if self.fd >= 0:
             os.close(self.fd)
         self.fd = fd
