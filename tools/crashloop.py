@@ -1111,6 +1111,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the child also retains/releases keys (acked after a flush), pins pages, "
         "deletes pinned pages and checks pinned and retained reads",
     )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=5.0,
+        help="a ready child silent this long has stalled (a violation); raise it on a "
+        "heavily loaded machine",
+    )
     parser.add_argument("--stop-on-violation", action="store_true")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     # child mode (internal)
@@ -1150,6 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_on_violation=args.stop_on_violation,
         capacity_mib=args.capacity_mib,
         retain=args.retain,
+        stall_s=args.stall_s,
     )
 
     def log(message: str) -> None:
