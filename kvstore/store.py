@@ -1161,15 +1161,17 @@ class KVStore:
         return buffer, result
 
     def _verify(self, key: bytes, entry: PageEntry, view: memoryview, result: int) -> memoryview:
-        where = f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
+        def where() -> str:  # only formatted on the error paths
+            return f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
+
         if result != entry.span_bytes:
             if result < 0:
-                raise IOFailure(f"read of {where} failed", -result)
-            raise CorruptionError(f"{where}: short read ({result} of {entry.span_bytes} bytes)")
+                raise IOFailure(f"read of {where()} failed", -result)
+            raise CorruptionError(f"{where()}: short read ({result} of {entry.span_bytes} bytes)")
         try:
             header = decode_record_header(view, max_page_bytes=self.config.max_page_bytes)
         except CorruptionError as e:
-            raise CorruptionError(f"{where}: {e}") from None
+            raise CorruptionError(f"{where()}: {e}") from None
         if (
             header.key != key
             or header.segment_id != entry.segment_id
@@ -1180,12 +1182,12 @@ class KVStore:
             or header.payload_checksum != entry.payload_checksum
         ):
             raise CorruptionError(
-                f"{where}: the record there is not this page (key {header.key!r}, "
+                f"{where()}: the record there is not this page (key {header.key!r}, "
                 f"segment {header.segment_id}, offset {header.offset}, lsn {header.lsn})"
             )
         payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
         if checksum(payload) != entry.payload_checksum:
-            raise CorruptionError(f"{where}: payload checksum mismatch")
+            raise CorruptionError(f"{where()}: payload checksum mismatch")
         return payload
 
     def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:

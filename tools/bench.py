@@ -55,12 +55,19 @@ FIO_PROFILES = (
     "seq_write_256k",
     "randread_256k_qd32",
     "randread_256k_qd1",
+    "randread_256k_qd1_psync",
     "mixed_70_30",
     "wal_append",
 )
 WAL_RUNTIME_S = 10
 # Profiles rerun after the kvstore workloads (--recheck) to show how much the disk drifted.
-RECHECK_PROFILES = ("seq_write_1m", "seq_write_256k", "randread_256k_qd32", "randread_256k_qd1")
+RECHECK_PROFILES = (
+    "seq_write_1m",
+    "seq_write_256k",
+    "randread_256k_qd32",
+    "randread_256k_qd1",
+    "randread_256k_qd1_psync",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,8 @@ TARGETS = (
 EXTRA_ROWS = (
     ("get", "get 256 KiB median vs fio lat (slat+clat) p50", "randread_256k_qd1",
      "read_lat_p50_us", "p50_us", "us"),
+    ("get", "get 256 KiB median vs fio pvsync2 clat p50 (get's own syscall)",
+     "randread_256k_qd1_psync", "read_clat_p50_us", "p50_us", "us"),
     ("get", "get 256 KiB p99 latency (vs fio clat p99)", "randread_256k_qd1",
      "read_clat_p99_us", "p99_us", "us"),
     ("put_1m", "put 1 MiB: batch (32 MiB) latency p50", "seq_write_1m", None, "batch_p50_ms", "ms"),
