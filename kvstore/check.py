@@ -58,7 +58,8 @@ from kvstore.format.names import (
 )
 from kvstore.format.records import decode_record_header, decode_segment_header, decode_superblock
 from kvstore.format.wal import decode_body
-from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
+from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, lmdb_read_errors
+from kvstore.index.lmdb_verify import verify_lmdb_file
 from kvstore.index.table import META_CHECKPOINT_LSN, META_PAGE_COUNT, Tombstone
 from kvstore.io.buffers import AlignedBuffer
 from kvstore.io.engine import run_all
@@ -168,12 +169,15 @@ def check_store(
     run = _Run(store, deep, repair, progress)
     run.findings.extend(_check_superblock(store.root, store.superblock.store_uuid))
     bad_page_keys = _check_index_values(run)
+    tree_sound = not any(finding.kind == "index-unreadable" for finding in run.findings)
     _check_segment_headers(run)
-    _check_records(run, bad_page_keys)
-    _check_accounting(run)
+    if tree_sound:  # otherwise LMDB's own walk could crash the process
+        _check_records(run, bad_page_keys)
+        _check_accounting(run)
     _check_files(run)
     _check_wal(run)
-    _check_retains(run)
+    if tree_sound:
+        _check_retains(run)
     return run.findings
 
 
@@ -194,7 +198,7 @@ def check_path(
         )
     findings.extend(_check_superblock(root, None))
     try:
-        superblock = decode_superblock((root / SUPERBLOCK_NAME).read_bytes())
+        superblock = decode_superblock(_read_superblock(root / SUPERBLOCK_NAME))
     except (KVStoreError, OSError):
         return findings
     try:
@@ -205,6 +209,8 @@ def check_path(
     try:
         values, _ = _scan_index(env, root)
         findings.extend(values)
+        if any(finding.kind == "index-unreadable" for finding in values):
+            return findings
         try:
             with env.read() as txn:
                 checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
@@ -220,10 +226,16 @@ def check_path(
 # -- superblock -----------------------------------------------------------------
 
 
+def _read_superblock(path: Path) -> bytes:
+    """The first block of ``KVSTORE``: never more, whatever the name points at."""
+    with open(path, "rb") as handle:
+        return handle.read(BLOCK_BYTES)
+
+
 def _check_superblock(root: Path, store_uuid: bytes | None) -> list[Finding]:
     path = root / SUPERBLOCK_NAME
     try:
-        superblock = decode_superblock(path.read_bytes())
+        superblock = decode_superblock(_read_superblock(path))
     except OSError as e:
         return [Finding("error", "superblock", f"cannot read the superblock: {e}", str(path))]
     except KVStoreError as e:
@@ -247,6 +259,13 @@ def _scan_index(env: IndexEnv, root: Path) -> tuple[list[Finding], set[bytes]]:
 
     try:
         with env.read() as txn:
+            # Walked first, inside the transaction (a live writer cannot reuse these
+            # pages): a damaged tree would crash LMDB's own walk below.
+            problems = verify_lmdb_file(env.path / "data.mdb")
+            if problems:
+                for problem in problems:
+                    findings.append(Finding("error", "index-unreadable", problem, where))
+                return findings, bad_page_keys
             for raw_key, raw_value in txn.cursor(db=env.pages):
                 key = bytes(raw_key)
                 try:
@@ -345,10 +364,13 @@ def _overlay(store: KVStore) -> dict[bytes, PageEntry | Tombstone]:
 
 
 def _live_entries(store: KVStore) -> Iterator[tuple[bytes, PageEntry]]:
-    """Every live entry (LMDB merged with the overlay), skipping undecodable values."""
+    """Every live entry (LMDB merged with the overlay), skipping undecodable values.
+
+    A damaged LMDB tree raises ``CorruptionError`` (``_scan_index`` reports it).
+    """
     overlay = _overlay(store)
     env = store._env
-    with env.read() as txn:
+    with env.read() as txn, lmdb_read_errors(env.path):
         for raw_key, raw_value in txn.cursor(db=env.pages):
             key = bytes(raw_key)
             if key in overlay:
@@ -446,7 +468,14 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
     to_delete: list[tuple[bytes, PageEntry, Finding]] = []
     held: Counter[int] = Counter()
     try:
-        for key, entry in _live_entries(store):
+        entries = list(_live_entries(store))
+    except KVStoreError as e:
+        # The B-tree itself is damaged (LMDB has no checksums); what it still
+        # yields cannot be trusted to be complete.
+        run.add("error", "index-unreadable", str(e), path=str(store.root / INDEX_DIR))
+        return
+    try:
+        for key, entry in entries:
             where = {"segment_id": entry.segment_id, "offset": entry.offset, "key": key}
             with store._lock:
                 segment = store._segments.get(entry.segment_id)
@@ -466,7 +495,12 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
                     to_delete.append((key, entry, finding))
                 continue
             end = entry.offset + entry.span_bytes
-            if entry.offset % BLOCK_BYTES or entry.offset < BLOCK_BYTES or end > segment.size_bytes:
+            if (
+                entry.offset % BLOCK_BYTES
+                or entry.offset < BLOCK_BYTES
+                or end > segment.size_bytes
+                or entry.payload_bytes > store.config.max_page_bytes  # never sized into a buffer
+            ):
                 finding = _record_finding(
                     run,
                     "record-bounds",
@@ -508,7 +542,10 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
 def _record_finding(run: _Run, kind: str, message: str, where: dict[str, Any]) -> Finding | None:
     """A finding for a bad record, unless the entry changed meanwhile (a live writer)."""
     key = where["key"]
-    current = run.store._table.get(key)
+    try:
+        current = run.store._table.get(key)
+    except KVStoreError:  # the entry itself is implausible: this finding stands
+        return Finding("error", kind, message, **where)
     if current is None or (current.segment_id, current.offset) != (
         where["segment_id"],
         where["offset"],
@@ -619,7 +656,7 @@ def _check_accounting(run: _Run) -> None:
             for _, entry in _live_entries(store):
                 live[entry.segment_id] += entry.span_bytes
                 pages[entry.segment_id] += 1
-        except lmdb.Error:
+        except (lmdb.Error, KVStoreError):
             return  # reported as index-unreadable
         with store._lock:
             for segment_id, state in sorted(store._segment_states.items()):
@@ -790,8 +827,8 @@ def _check_retains(run: _Run) -> None:
     for key in retained:
         try:
             live = store._table.get(key) is not None
-        except CorruptionError:
-            continue  # an undecodable entry, reported as index-value
+        except KVStoreError:
+            continue  # an undecodable entry or a damaged tree, reported by the index scan
         if live:
             continue
         repaired = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,9 +41,10 @@ from kvstore.errors import (
     StoreNotFoundError,
 )
 from kvstore.format.checksum import checksum
-from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, record_span
+from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, SEQUENCE_LIMIT, record_span
 from kvstore.format.entries import (
     SEGMENT_SEALED,
+    EntryLimits,
     PageEntry,
     SegmentEntry,
     decode_page_entry,
@@ -50,6 +52,7 @@ from kvstore.format.entries import (
     encode_page_entry,
     encode_segment_entry,
     segment_key,
+    validate_page_entry,
 )
 from kvstore.format.names import (
     INDEX_DIR,
@@ -74,6 +77,7 @@ from kvstore.format.wal import (
     iter_records,
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
+from kvstore.index.lmdb_verify import verify_lmdb_file
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -347,11 +351,57 @@ def recover_store(
 # -- sources ------------------------------------------------------------------------
 
 
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` is (or links to) a regular file: never open a FIFO, device or
+    directory that merely carries a store file name."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _plausible(scan: _Scan, key: bytes, entry: PageEntry) -> bool:
+    limits = EntryLimits(scan.superblock.segment_bytes, scan.superblock.max_page_bytes)
+    try:
+        validate_page_entry(key, entry, limits)
+    except CorruptionError:
+        return False
+    return True
+
+
+def _plausible_body(scan: _Scan, lsn: int, body: WalBody) -> bool:
+    """A checksummed WAL body whose numbers a writer could have made."""
+    if lsn >= SEQUENCE_LIMIT:
+        return False
+    if isinstance(body, PutBody | MoveBody):
+        put = body.put if isinstance(body, MoveBody) else body
+        entry = PageEntry(
+            put.segment_id,
+            put.generation,
+            put.offset,
+            put.payload_bytes,
+            put.payload_checksum,
+            lsn,
+            put.meta,
+        )
+        return _plausible(scan, put.key, entry)
+    if isinstance(body, SegmentOpenBody | SegmentFreeBody):
+        return body.segment_id < SEQUENCE_LIMIT and body.generation < SEQUENCE_LIMIT
+    if isinstance(body, LsnLeaseBody):
+        return body.lease_until < SEQUENCE_LIMIT
+    return True
+
+
 def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
     """Load LMDB's pages and retains as initial states; any failure: treat as missing."""
     index = root / INDEX_DIR
     if not (index / "data.mdb").exists():
         report.notes.append("index: no data.mdb; treated as missing")
+        return
+    # LMDB trusts its pages: a damaged tree would crash this process, not raise.
+    problems = verify_lmdb_file(index / "data.mdb")
+    if problems:
+        report.notes.append(f"index: damaged B-tree ({problems[0]}); treated as missing")
         return
     try:
         env = lmdb.open(
@@ -383,6 +433,9 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
                 except CorruptionError:
                     bad_values += 1
                     continue
+                if value >= SEQUENCE_LIMIT:
+                    bad_values += 1
+                    continue
                 if name == META_CHECKPOINT_LSN:
                     checkpoint = value
                     scan.saw_lsn(value)
@@ -397,6 +450,9 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
                 except CorruptionError:
                     bad_values += 1
                     continue
+                if not _plausible(scan, key, entry):
+                    bad_values += 1
+                    continue
                 states[key] = _Entry(entry, "index")
                 scan.saw_lsn(entry.lsn)
             with contextlib.suppress(lmdb.NotFoundError):
@@ -408,7 +464,11 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
                     except CorruptionError:
                         bad_values += 1
                         continue
-                    if bytes(raw_key) == segment_key(segment_id):
+                    if (
+                        bytes(raw_key) == segment_key(segment_id)
+                        and segment_id < SEQUENCE_LIMIT
+                        and seg.generation < SEQUENCE_LIMIT
+                    ):
                         scan.max_segment_id = max(scan.max_segment_id, segment_id)
                         scan.saw_lsn(seg.generation)
             with contextlib.suppress(lmdb.NotFoundError):
@@ -449,9 +509,13 @@ def _read_wal(root: Path, scan: _Scan, report: RecoveryReport) -> None:
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(wal_dir):
             first = parse_wal_name(entry.name)
-            if first is not None:
-                files.append((first, Path(entry.path)))
-                scan.saw_lsn(first)
+            if first is None:
+                continue
+            if first >= SEQUENCE_LIMIT or not _regular_file(Path(entry.path)):
+                report.notes.append(f"{entry.name}: not a plausible WAL file; ignored")
+                continue
+            files.append((first, Path(entry.path)))
+            scan.saw_lsn(first)
     files.sort()
     states = scan.states
     # LMDB's absence of a key is a state too: dead as of the checkpoint.
@@ -487,6 +551,12 @@ def _read_wal(root: Path, scan: _Scan, report: RecoveryReport) -> None:
                 body = decode_body(record)
             except KVStoreError as e:
                 report.notes.append(f"{path.name}: {e}; the rest of the file is ignored")
+                break
+            if not _plausible_body(scan, record.lsn, body):
+                report.notes.append(
+                    f"{path.name}: record at lsn {record.lsn} holds implausible numbers; "
+                    "the rest of the file is ignored"
+                )
                 break
             report.wal_records_used += 1
             scan.saw_lsn(record.lsn)
@@ -551,9 +621,14 @@ def _scan_segments(
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(root / SEGMENTS_DIR):
             segment_id = parse_segment_name(entry.name)
-            if segment_id is not None:
-                files.append((segment_id, Path(entry.path), entry.stat().st_size))
-                scan.max_segment_id = max(scan.max_segment_id, segment_id)
+            if segment_id is None:
+                continue
+            path = Path(entry.path)
+            if segment_id >= SEQUENCE_LIMIT or not _regular_file(path):
+                report.notes.append(f"{entry.name}: not a plausible segment file; ignored")
+                continue
+            files.append((segment_id, path, os.stat(path).st_size))
+            scan.max_segment_id = max(scan.max_segment_id, segment_id)
     files.sort()
     total = sum(size for _, _, size in files)
     done = 0
@@ -583,6 +658,9 @@ def _scan_one(scan: _Scan, report: RecoveryReport, segment_id: int, path: Path) 
         if header.segment_id != segment_id:
             _damaged(scan, report, path, f"header names segment {header.segment_id}")
             return
+        if header.generation >= SEQUENCE_LIMIT:
+            _damaged(scan, report, path, f"implausible generation {header.generation}")
+            return
         report.segments_scanned += 1
         scan.saw_lsn(header.generation)
         segment = _Segment(
@@ -603,6 +681,9 @@ def _scan_one(scan: _Scan, report: RecoveryReport, segment_id: int, path: Path) 
                 rec = decode_record_header(block, max_page_bytes=superblock.max_page_bytes)
             except KVStoreError:
                 offset += BLOCK_BYTES  # a hole, or never written: resync at the next block
+                continue
+            if rec.lsn >= SEQUENCE_LIMIT:
+                offset += BLOCK_BYTES  # sealed, but no writer issues such an LSN
                 continue
             scan.saw_lsn(rec.lsn)
             span = record_span(rec.payload_bytes)

@@ -21,6 +21,11 @@ WAL_RECORD_MAGIC = 0x4B56574C  # "KVWL" as little-endian u32 at each record star
 MAX_KEY_BYTES = 1024
 MAX_META_BYTES = 2048
 MAX_PAGE_BYTES_LIMIT = 1 << 32  # hard ceiling for max_page_bytes (u32 padding math)
+MAX_SEGMENT_BYTES = 1 << 40  # readers refuse a larger segment_bytes as implausible
+SEQUENCE_LIMIT = 1 << 62
+"""LSNs, segment ids and generations at or past this are implausible (at 10^9 a
+second a writer needs 146 years to reach it). Readers treat them as corruption,
+so the arithmetic done on them (``+ 1``, leases) never overflows a u64 field."""
 
 # Record types inside segments (u8). 0 is never written (zeroed space).
 RECORD_PAGE = 1

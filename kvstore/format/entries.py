@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from kvstore.errors import CorruptionError
 from kvstore.format.checksum import checksum
-from kvstore.format.constants import MAX_META_BYTES, record_span
+from kvstore.format.constants import BLOCK_BYTES, MAX_META_BYTES, SEQUENCE_LIMIT, record_span
 
 __all__ = [
+    "EntryLimits",
     "PageEntry",
     "SegmentEntry",
     "decode_page_entry",
@@ -22,6 +23,7 @@ __all__ = [
     "encode_page_entry",
     "encode_segment_entry",
     "segment_key",
+    "validate_page_entry",
 ]
 
 _PAGE = struct.Struct("<QQQQQQH")  # segment, generation, offset, payload_len, checksum, lsn, mlen
@@ -73,6 +75,39 @@ def decode_page_entry(key: bytes, value: bytes) -> PageEntry:
     if meta_len > MAX_META_BYTES or len(body) != _PAGE.size + meta_len:
         raise CorruptionError(f"page table entry for {key!r}: bad meta length")
     return PageEntry(segment_id, generation, offset, payload, csum, lsn, bytes(body[_PAGE.size :]))
+
+
+@dataclass(frozen=True, slots=True)
+class EntryLimits:
+    """The store's geometry (from its superblock) that every page entry must fit."""
+
+    segment_bytes: int
+    max_page_bytes: int
+
+
+def validate_page_entry(key: bytes, entry: PageEntry, limits: EntryLimits) -> PageEntry:
+    """Refuse an entry no writer makes, before a reader sizes a buffer or seeks by it.
+
+    A checksum proves a value is what was written, not that it is sane: a
+    hostile or buggy writer can seal any numbers. The record must sit on a
+    block boundary after the segment header, fit the segment, and be no
+    larger than ``max_page_bytes``; its LSN and ids must be plausible.
+    """
+    if (
+        entry.payload_bytes > limits.max_page_bytes
+        or entry.offset % BLOCK_BYTES
+        or entry.offset < BLOCK_BYTES
+        or entry.offset + record_span(entry.payload_bytes) > limits.segment_bytes
+        or entry.lsn >= SEQUENCE_LIMIT
+        or entry.segment_id >= SEQUENCE_LIMIT
+        or entry.generation >= SEQUENCE_LIMIT
+    ):
+        raise CorruptionError(
+            f"page table entry for {key!r}: implausible location (segment {entry.segment_id}, "
+            f"offset {entry.offset}, {entry.payload_bytes} bytes, lsn {entry.lsn}); "
+            "run `kvstore recover PATH`"
+        )
+    return entry
 
 
 SEGMENT_ACTIVE = 1

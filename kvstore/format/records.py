@@ -19,6 +19,8 @@ from kvstore.format.constants import (
     FORMAT_VERSION,
     MAX_KEY_BYTES,
     MAX_META_BYTES,
+    MAX_PAGE_BYTES_LIMIT,
+    MAX_SEGMENT_BYTES,
     RECORD_MAGIC,
     RECORD_PAGE,
     RECORD_TOMBSTONE,
@@ -111,9 +113,18 @@ def decode_superblock(block: BytesLike) -> Superblock:
         _SUPERBLOCK.unpack_from(block, 0)
     )
     _check_version(version, "superblock")
-    if block_bytes != BLOCK_BYTES or segment_bytes % BLOCK_BYTES or segment_bytes == 0:
+    # The reader allocates and seeks by these numbers: refuse what no writer makes
+    # (StoreConfig.validate) before anything trusts them.
+    if (
+        block_bytes != BLOCK_BYTES
+        or segment_bytes % BLOCK_BYTES
+        or not 4 * BLOCK_BYTES <= segment_bytes <= MAX_SEGMENT_BYTES
+        or not 0 < max_page < MAX_PAGE_BYTES_LIMIT + 1
+        or max_page + 2 * BLOCK_BYTES > segment_bytes
+    ):
         raise CorruptionError(
-            f"superblock: implausible geometry (block {block_bytes}, segment {segment_bytes})"
+            f"superblock: implausible geometry (block {block_bytes}, segment {segment_bytes}, "
+            f"max page {max_page})"
         )
     return Superblock(uuid, created, segment_bytes, max_page, capacity, version)
 
@@ -156,6 +167,8 @@ def decode_segment_header(block: BytesLike) -> SegmentHeader:
         _SEGMENT_HEADER.unpack_from(block, 0)
     )
     _check_version(version, "segment header")
+    if segment_bytes % BLOCK_BYTES or not 2 * BLOCK_BYTES <= segment_bytes <= MAX_SEGMENT_BYTES:
+        raise CorruptionError(f"segment header: implausible segment_bytes {segment_bytes}")
     return SegmentHeader(uuid, segment_id, generation, segment_bytes, created)
 
 

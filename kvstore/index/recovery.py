@@ -10,9 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.errors import CorruptionError
-from kvstore.format.constants import BLOCK_BYTES, record_span
-from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
+from kvstore.errors import CorruptionError, IOFailure
+from kvstore.format.constants import BLOCK_BYTES, SEQUENCE_LIMIT, record_span
+from kvstore.format.entries import (
+    SEGMENT_ACTIVE,
+    SEGMENT_SEALED,
+    EntryLimits,
+    PageEntry,
+    validate_page_entry,
+)
+from kvstore.format.names import SUPERBLOCK_NAME
+from kvstore.format.records import decode_superblock
 from kvstore.format.wal import (
     DeleteBody,
     LsnLeaseBody,
@@ -117,20 +125,53 @@ def _unaccount(segments: dict[int, SegmentState], old: PageEntry) -> None:
         previous.live_pages -= 1
 
 
-def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
-    """Load the checkpoint and replay the WAL chain after it into the overlay."""
+def read_limits(root: Path) -> EntryLimits:
+    """The geometry every entry must fit, from the superblock (one 4 KiB read)."""
+    path = root / SUPERBLOCK_NAME
+    try:
+        with open(path, "rb") as handle:
+            block = handle.read(BLOCK_BYTES)
+    except OSError as e:
+        raise IOFailure(f"cannot read {path}", e.errno) from e
+    superblock = decode_superblock(block)
+    return EntryLimits(superblock.segment_bytes, superblock.max_page_bytes)
+
+
+def recover_index(
+    env: IndexEnv, root: Path, store_uuid: bytes, limits: EntryLimits | None = None
+) -> Recovered:
+    """Load the checkpoint and replay the WAL chain after it into the overlay.
+
+    Every number recovery does arithmetic on or sizes reads by is checked first
+    (``SEQUENCE_LIMIT``, the superblock's geometry): a value that passed its
+    checksum but no writer makes is ``CorruptionError``, never an overflow.
+    """
+    if limits is None:
+        limits = read_limits(root)
     with env.read() as txn:
         checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
         lease = env.get_meta(txn, META_LSN_LEASE, 1)
         next_segment_id = env.get_meta(txn, META_NEXT_SEGMENT, 1)
     if checkpoint_lsn == 0:
         raise CorruptionError("index has no checkpoint_lsn; run `kvstore recover PATH`")
-    table = PageTable(env)
+    for name, value in (
+        ("checkpoint_lsn", checkpoint_lsn),
+        ("lsn_lease", lease),
+        ("next_segment_id", next_segment_id),
+    ):
+        _check_sequence(f"index meta {name}", value)
+    table = PageTable(env, limits)
     segments = load_segments(env)
+    for segment_id, state in segments.items():
+        _check_segment_state(segment_id, state, limits)
     retains = load_retains(env)
     if segments:
         next_segment_id = max(next_segment_id, max(segments) + 1)
     chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
+    for wal_file in chain:
+        _check_sequence(f"WAL file {wal_file.path.name}", wal_file.first_lsn)
+        for record in wal_file.records:
+            _check_sequence(f"WAL {wal_file.path.name} record", record.lsn)
     recovered = Recovered(table, segments, lease, 0, checkpoint_lsn, next_segment_id, chain)
     recovered.retains = retains
     decoded = [[(record, decode_body(record)) for record in wal_file.records] for wal_file in chain]
@@ -142,6 +183,9 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
             if isinstance(body, PutBody | DeleteBody | MoveBody)
         }
     )
+    for records in decoded:
+        for record, body in records:
+            _check_body(record, body, limits)
     try:
         _replay(recovered, chain, decoded)
     finally:
@@ -150,6 +194,50 @@ def recover_index(env: IndexEnv, root: Path, store_uuid: bytes) -> Recovered:
     issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
     recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
     return recovered
+
+
+def _check_sequence(what: str, value: int) -> None:
+    if value >= SEQUENCE_LIMIT:
+        raise CorruptionError(f"{what}: implausible number {value}; run `kvstore recover PATH`")
+
+
+def _check_segment_state(segment_id: int, state: SegmentState, limits: EntryLimits) -> None:
+    if (
+        segment_id >= SEQUENCE_LIMIT
+        or state.generation >= SEQUENCE_LIMIT
+        or state.head_bytes % BLOCK_BYTES
+        or not BLOCK_BYTES <= state.head_bytes <= limits.segment_bytes
+        or state.state not in (SEGMENT_ACTIVE, SEGMENT_SEALED)
+    ):
+        raise CorruptionError(
+            f"segment table entry {segment_id}: implausible (generation {state.generation}, "
+            f"head {state.head_bytes}, state {state.state}); run `kvstore recover PATH`"
+        )
+
+
+def _check_body(record: WalRecord, body: WalBody, limits: EntryLimits) -> None:
+    """Refuse a checksummed WAL record whose numbers no writer makes."""
+    what = f"WAL record at lsn {record.lsn}"
+    if isinstance(body, PutBody | MoveBody):
+        put = body.put if isinstance(body, MoveBody) else body
+        entry = PageEntry(
+            put.segment_id,
+            put.generation,
+            put.offset,
+            put.payload_bytes,
+            put.payload_checksum,
+            record.lsn,
+            put.meta,
+        )
+        try:
+            validate_page_entry(put.key, entry, limits)
+        except CorruptionError as e:
+            raise CorruptionError(f"{what}: {e}") from None
+    elif isinstance(body, SegmentOpenBody | SegmentFreeBody):
+        _check_sequence(f"{what}: segment id", body.segment_id)
+        _check_sequence(f"{what}: generation", body.generation)
+    elif isinstance(body, LsnLeaseBody):
+        _check_sequence(f"{what}: lease", body.lease_until)
 
 
 def _replay(

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.errors import CorruptionError
 from kvstore.format.entries import (
+    EntryLimits,
     PageEntry,
     SegmentEntry,
     decode_page_entry,
@@ -28,8 +30,9 @@ from kvstore.format.entries import (
     encode_page_entry,
     encode_segment_entry,
     segment_key,
+    validate_page_entry,
 )
-from kvstore.index.lmdb_env import IndexEnv, encode_meta_u64
+from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, lmdb_read_errors
 
 __all__ = ["META_CHECKPOINT_LSN", "PageTable", "SegmentState", "Tombstone"]
 
@@ -83,8 +86,12 @@ class SegmentState:
 
 
 class PageTable:
-    def __init__(self, env: IndexEnv) -> None:
+    """The live page entries. With ``limits``, entries read from LMDB are checked
+    against the store's geometry before anyone sizes a read by them."""
+
+    def __init__(self, env: IndexEnv, limits: EntryLimits | None = None) -> None:
         self.env = env
+        self.limits = limits
         self.active: dict[bytes, Slot] = {}
         self.frozen: dict[bytes, Slot] | None = None
         self._epoch = 0
@@ -107,9 +114,9 @@ class PageTable:
                 base = self._replay_base
                 if base is not None and key in base:
                     return base[key]
-                with self.env.read() as txn:
+                with self.env.read() as txn, lmdb_read_errors(self.env.path):
                     raw = txn.get(key, db=self.env.pages)
-                slot = None if raw is None else decode_page_entry(key, raw)
+                slot = None if raw is None else self._decode(key, raw)
             if epoch == self._epoch:
                 return slot
 
@@ -123,12 +130,16 @@ class PageTable:
         if len(keys) >= 10_000:
             _read_ahead(self.env.path / "data.mdb")
         base: dict[bytes, PageEntry | None] = {}
-        with self.env.read() as txn:
+        with self.env.read() as txn, lmdb_read_errors(self.env.path):
             cursor = txn.cursor(db=self.env.pages)
             for key in sorted(keys):
                 raw = cursor.get(key)
-                base[key] = None if raw is None else decode_page_entry(key, raw)
+                base[key] = None if raw is None else self._decode(key, raw)
         self._replay_base = base
+
+    def _decode(self, key: bytes, raw: bytes) -> PageEntry:
+        entry = decode_page_entry(key, raw)
+        return entry if self.limits is None else validate_page_entry(key, entry, self.limits)
 
     def end_replay(self) -> None:
         self._replay_base = None
@@ -147,7 +158,7 @@ class PageTable:
         if frozen is not None:
             overlay.update(frozen)
         overlay.update(self.active)
-        with self.env.read() as txn:
+        with self.env.read() as txn, lmdb_read_errors(self.env.path):
             cursor = txn.cursor(db=self.env.pages)
             for key in cursor.iternext(keys=True, values=False):
                 if key not in overlay:
@@ -240,13 +251,11 @@ class PageTable:
 def load_segments(env: IndexEnv) -> dict[int, SegmentState]:
     """Every segment in the ``segments`` database, verified."""
     found: dict[int, SegmentState] = {}
-    with env.read() as txn:
+    with env.read() as txn, lmdb_read_errors(env.path):
         cursor = txn.cursor(db=env.segments)
         for raw_key, raw_value in cursor:
             segment_id = int.from_bytes(raw_key, "big")
             if raw_key != segment_key(segment_id):
-                from kvstore.errors import CorruptionError
-
                 raise CorruptionError(f"segment table has a malformed key {raw_key!r}")
             found[segment_id] = SegmentState.from_entry(decode_segment_entry(segment_id, raw_value))
     return found
@@ -254,10 +263,8 @@ def load_segments(env: IndexEnv) -> dict[int, SegmentState]:
 
 def load_retains(env: IndexEnv) -> set[bytes]:
     """Every persistently retained key, verified."""
-    from kvstore.index.lmdb_env import decode_meta_u64
-
     found: set[bytes] = set()
-    with env.read() as txn:
+    with env.read() as txn, lmdb_read_errors(env.path):
         for raw_key, raw_value in txn.cursor(db=env.retains):
             key = bytes(raw_key)
             decode_meta_u64(key, raw_value)
