@@ -208,7 +208,10 @@ def _writable_view(buffer: object) -> memoryview:
 def _decode_meta(raw: bytes) -> dict[str, Any]:
     if not raw:
         return {}
-    decoded = json.loads(raw)
+    try:
+        decoded = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        raise CorruptionError("page meta is not JSON") from None
     if not isinstance(decoded, dict):
         raise CorruptionError("page meta is not a JSON object")
     return decoded
@@ -311,7 +314,8 @@ class KVStore:
         self._lock_fd = -1
         self._failed: WriterFailedError | None = None
         try:
-            superblock = decode_superblock((root / SUPERBLOCK_NAME).read_bytes())
+            with open(root / SUPERBLOCK_NAME, "rb") as handle:  # never more than a block
+                superblock = decode_superblock(handle.read(BLOCK_BYTES))
         except OSError as e:
             raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
         self.superblock = superblock
@@ -437,9 +441,14 @@ class KVStore:
             try:
                 recovered = recover_index(self._env, self.root, self.superblock.store_uuid)
                 break
-            except (CorruptionError, FileNotFoundError):
+            except (CorruptionError, FileNotFoundError) as e:
                 # A read-only open can race the writer's checkpoint deleting WAL files.
                 if attempt == attempts - 1:
+                    if isinstance(e, FileNotFoundError):
+                        raise CorruptionError(
+                            f"a file of {self.root} vanished or is a dangling link "
+                            f"({e.filename}); run `kvstore recover PATH`"
+                        ) from e
                     raise
                 time.sleep(0.05)
         if not self.readonly:
@@ -473,11 +482,17 @@ class KVStore:
         fsync_dir(root / WAL_DIR)
         for segment_id, path in list_segment_files(root).items():
             if segment_id not in recovered.segments:
+                if path.is_dir() and not path.is_symlink():
+                    recovered.notes.append(f"left directory {path.name} (not a segment) alone")
+                    continue
                 # Created, but its SEGMENT_OPEN never became durable: nothing points in.
                 path.unlink()
                 recovered.notes.append(f"removed orphan segment file {path.name}")
         for entry in os.scandir(root / SEGMENTS_DIR):
             if entry.name.endswith(".tmp") or entry.name.startswith("."):
+                if entry.is_dir(follow_symlinks=False):
+                    recovered.notes.append(f"left directory {entry.name} in segments/ alone")
+                    continue
                 os.unlink(entry.path)
         fsync_dir(root / SEGMENTS_DIR)
 
@@ -1410,42 +1425,62 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
-        raw = _key_bytes(key)
+        return self.pin_many([key])[0]
+
+    def pin_many(self, keys: Iterable[Key]) -> list[bool]:
+        """``pin`` each key under one lock round; per key, False if it is absent."""
+        raws = [_key_bytes(key) for key in keys]
         self._check_open()
+        results = []
         with self._lock:
-            entry = self._table.get(raw)
-            if entry is None:
-                return False
-            self._pins.setdefault(raw, []).append(entry)
-            self._segment_pins[entry.segment_id] += 1
-            return True
+            lookup, pins, segment_pins = self._table.get, self._pins, self._segment_pins
+            for raw in raws:
+                entry = lookup(raw)
+                if entry is None:
+                    results.append(False)
+                    continue
+                stack = pins.get(raw)
+                if stack is None:
+                    pins[raw] = [entry]
+                else:
+                    stack.append(entry)
+                segment_pins[entry.segment_id] += 1
+                results.append(True)
+        return results
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
-        raw = _key_bytes(key)
+        self.unpin_many([key])
+
+    def unpin_many(self, keys: Iterable[Key]) -> None:
+        """Drop one pin of each key; PinError, and nothing unpinned, if one is not pinned."""
+        raws = [_key_bytes(key) for key in keys]
         self._check_open()
         with self._lock:
-            stack = self._pins.get(raw)
-            if not stack:
-                raise PinError(f"unpin of {raw!r}, which is not pinned")
-            entry = stack.pop()
-            if not stack:
-                del self._pins[raw]
-            self._segment_pins[entry.segment_id] -= 1
-            if not self._segment_pins[entry.segment_id]:
-                del self._segment_pins[entry.segment_id]
+            pins, segment_pins = self._pins, self._segment_pins
+            wanted = Counter(raws) if len(raws) > 1 else {raws[0]: 1} if raws else {}
+            for raw, count in wanted.items():
+                if len(pins.get(raw, ())) < count:
+                    raise PinError(f"unpin of {raw!r}, which is not pinned")
+            for raw in raws:
+                stack = pins[raw]
+                segment_id = stack.pop().segment_id
+                if not stack:
+                    del pins[raw]
+                segment_pins[segment_id] -= 1
+                if not segment_pins[segment_id]:
+                    del segment_pins[segment_id]
 
     @contextmanager
     def pinned(self, keys: Iterable[Key]) -> Iterator[list[bool]]:
         """Pin a batch for the ``with`` block; yields which keys were pinned."""
         raws = [_key_bytes(key) for key in keys]
-        results = [self.pin(raw) for raw in raws]
+        results = self.pin_many(raws)
         try:
             yield results
         finally:
-            for raw, ok in zip(raws, results, strict=True):
-                if ok and not self._closed:
-                    self.unpin(raw)
+            if not self._closed:
+                self.unpin_many([raw for raw, ok in zip(raws, results, strict=True) if ok])
 
     def pin_count(self, key: Key) -> int:
         """How many pins ``key`` holds in this process."""
@@ -1983,7 +2018,7 @@ class KVStore:
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
-        return self._table.get(_key_bytes(key)) is not None
+        return self._table.contains(_key_bytes(key))
 
     def __len__(self) -> int:
         self._check_open()

@@ -64,7 +64,16 @@ def encode_page_entry(key: bytes, entry: PageEntry) -> bytes:
     return body + struct.pack("<Q", checksum(key + body))
 
 
+_PAGE_NO_META = struct.Struct("<QQQQQQHQ")  # an entry without meta, then its checksum
+
+
 def decode_page_entry(key: bytes, value: bytes) -> PageEntry:
+    if len(value) == _PAGE_NO_META.size:  # no meta (the common case): one unpack, no slices
+        segment_id, generation, offset, payload, csum, lsn, meta_len, stored = _PAGE_NO_META.unpack(
+            value
+        )
+        if meta_len == 0 and stored == checksum(key + value[:-8]):
+            return PageEntry(segment_id, generation, offset, payload, csum, lsn)
     if len(value) < _PAGE.size + 8:
         raise CorruptionError(f"page table entry for {key!r}: {len(value)} bytes is too short")
     body = value[:-8]

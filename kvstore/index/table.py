@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from kvstore.errors import CorruptionError
 from kvstore.format.entries import (
     EntryLimits,
@@ -114,11 +116,41 @@ class PageTable:
                 base = self._replay_base
                 if base is not None and key in base:
                     return base[key]
-                with self.env.read() as txn, lmdb_read_errors(self.env.path):
-                    raw = txn.get(key, db=self.env.pages)
+                raw = self._lmdb_get(key)
                 slot = None if raw is None else self._decode(key, raw)
             if epoch == self._epoch:
                 return slot
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` has a live entry; an LMDB entry is found, not decoded."""
+        while True:
+            epoch = self._epoch
+            active, frozen = self.active, self.frozen
+            slot = active.get(key)
+            if slot is None and frozen is not None:
+                slot = frozen.get(key)
+            if slot is not None:
+                found = isinstance(slot, PageEntry)
+            else:
+                base = self._replay_base
+                if base is not None and key in base:
+                    return base[key] is not None
+                found = self._lmdb_get(key) is not None
+            if epoch == self._epoch:
+                return found
+
+    def _lmdb_get(self, key: bytes) -> bytes | None:
+        """The checkpointed value of ``key``: one short read transaction, no wrappers."""
+        try:
+            txn = self.env.env.begin(write=False, buffers=False)
+            try:
+                raw: bytes | None = txn.get(key, db=self.env.pages)
+            finally:
+                txn.abort()
+        except lmdb.Error:
+            with lmdb_read_errors(self.env.path):
+                raise
+        return raw
 
     def prefetch_for_replay(self, keys: set[bytes]) -> None:
         """Read the checkpointed entries of ``keys`` in key order, in one transaction.

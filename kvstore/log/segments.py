@@ -118,11 +118,13 @@ def open_segment(
     if not path.exists():
         raise CorruptionError(f"segment {segment_id} is in the index but {path} is missing")
     flags_direct = direct
-    fd = (
-        os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if flags_direct else 0))
-        if readonly
-        else open_data_file(path, direct=direct)
-    )
+    if readonly:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if flags_direct else 0))
+        except OSError as e:
+            raise IOFailure(f"cannot open {path}", e.errno) from e
+    else:
+        fd = open_data_file(path, direct=direct)
     try:
         header = read_segment_header(fd, path)
         if header.store_uuid != store_uuid:

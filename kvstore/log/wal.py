@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,39 @@ class WalFile:
     torn_tail: str | None  # why the tail was cut, if it was
 
 
+def _read_wal_file(path: Path) -> bytes:
+    """The bytes of one WAL file; anything but a regular file is corruption.
+
+    FileNotFoundError passes through as is: a read-only open retries it (the
+    writer's checkpoint may have deleted the file since the listing).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise IOFailure(f"cannot open WAL file {path}", e.errno) from e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptionError(
+                f"WAL file {path.name} is not a regular file; run `kvstore recover PATH`"
+            )
+        chunks = []
+        remaining = info.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise IOFailure(f"cannot read WAL file {path}", e.errno) from e
+    finally:
+        os.close(fd)
+
+
 def read_wal_chain(root: Path, store_uuid: bytes, start_lsn: int) -> list[WalFile]:
     """Read every WAL file from the one named ``start_lsn`` on, checking the chain.
 
@@ -145,7 +179,7 @@ def read_wal_chain(root: Path, store_uuid: bytes, start_lsn: int) -> list[WalFil
     chain: list[WalFile] = []
     for position, (first, path) in enumerate(files):
         is_last = position == len(files) - 1
-        data = path.read_bytes()
+        data = _read_wal_file(path)
         try:
             header = decode_wal_file_header(data)
         except CorruptionError:
