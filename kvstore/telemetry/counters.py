@@ -150,6 +150,13 @@ def observe(values: list[int], op: int, nanoseconds: int) -> None:
     values[base + HISTOGRAM_SLOTS - 1] += nanoseconds
 
 
+def observe_many(values: list[int], op: int, nanoseconds: int, count: int) -> None:
+    """Count ``count`` samples of the same latency (pages published together)."""
+    base = _LATENCY_BASE + op * HISTOGRAM_SLOTS
+    values[base + bisect_left(_BOUNDS_NS, nanoseconds)] += count
+    values[base + HISTOGRAM_SLOTS - 1] += nanoseconds * count
+
+
 def store_bytes(values: list[int]) -> int:
     """Every byte the store wrote: the sum of the write kinds."""
     return sum(values[_WRITE_SLICE])
