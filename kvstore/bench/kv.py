@@ -216,6 +216,47 @@ def kv_workloads(root: Path, config: KvConfig, reporter: Reporter) -> list[Measu
             )
         )
 
+        # -- get_many_into reused buffers, cold (how an engine loads pages) --------
+        rng.shuffle(order)
+        targets = [bytearray(config.page_bytes) for _ in range(config.get_batch)]
+        latencies = []
+        reporter.start(f"kvstore get_many_into({config.get_batch}), cold", len(order))
+        read = 0
+        cpu0 = CpuTimes.now()
+        start = time.perf_counter()
+        for first in range(0, len(order), config.get_batch):
+            wanted = order[first : first + config.get_batch]
+            t0 = time.perf_counter()
+            sizes = store.get_many_into(wanted, targets[: len(wanted)])
+            latencies.append((time.perf_counter() - t0) * 1e6)
+            if any(size != config.page_bytes for size in sizes):
+                raise RuntimeError("get_many_into missed a page that was written")
+            read += len(wanted)
+            reporter.advance(len(wanted))
+            if time.perf_counter() - start > config.runtime_s:
+                break
+        seconds = time.perf_counter() - start
+        cpu = CpuTimes.now().since(cpu0)
+        reporter.finish()
+        if targets[0] != payloads[int(wanted[0][6:]) % len(payloads)]:  # the last batch
+            raise RuntimeError("get_many_into returned wrong bytes")
+        found.append(
+            Measurement(
+                name="kvstore.get_many_into_cold",
+                label=f"kvstore get_many_into({config.get_batch}) random, reused buffers, cold",
+                group="kvstore",
+                page_bytes=config.page_bytes,
+                ops=read,
+                bytes_moved=read * config.page_bytes,
+                seconds=seconds,
+                p50_us=percentile(latencies, 50),
+                p99_us=percentile(latencies, 99),
+                cold=cold,
+                extra=_cpu_extra(cpu, read, payload_us),
+                notes="latency is per get_many_into call",
+            )
+        )
+
         # -- single get, cold -----------------------------------------------------
         found.append(_single_gets(store, keys, config, rng, reporter, cold))
 

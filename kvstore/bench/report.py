@@ -62,6 +62,14 @@ TARGETS: tuple[Target, ...] = (
         denominator="peer.file_per_page_read_cold",
     ),
     Target(
+        "cold_reads_into_vs_files",
+        "kvstore get_many_into (reused buffers) cold >= 4x serial file-per-page cold reads",
+        "kvstore.get_many_into_cold",
+        "mb_per_s",
+        4.0,
+        denominator="peer.file_per_page_read_cold",
+    ),
+    Target(
         "lookups",
         "page-table lookups >= 500k/s from Python (entries in LMDB)",
         "hot.lookup",

@@ -18,6 +18,7 @@ from kvstore.bench.report import TARGETS
 KVSTORE_ROWS = {
     "kvstore.put_durable",
     "kvstore.get_many_cold",
+    "kvstore.get_many_into_cold",
     "kvstore.get_single_cold",
     "kvstore.mixed_70_30",
 }
