@@ -105,7 +105,8 @@ def test_compare_without_fio_reports_every_row(tmp_path: Path) -> None:
     # 2 MiB is 32 pages of 64 KiB; the bench writes at least one batch of 64.
     assert put["ops"] == 64 and put["bytes_moved"] == 64 * (64 << 10)
     assert put["mb_per_s"] > 0 and put["p50_us"] <= put["p99_us"]
-    assert put["extra"]["user_us_per_page"] > 0
+    # 64 pages can take less CPU than one accounting tick: present and sane, maybe 0.
+    assert 0 <= put["extra"]["user_us_per_page"] < 1e6
     assert by_name["kvstore.get_many_cold"]["cold"] in ("O_DIRECT", "page cache (O_DIRECT refused)")
     assert by_name["peer.file_per_page_buffered"]["durable"] is False
     for name in ("peer.file_per_page_read_cold", "peer.lmdb_read_cold"):
