@@ -17,7 +17,7 @@ One chunk (``primary_kv_view.strides[0]`` bytes: every layer and every rank of
 
 Invariants:
 - ``submit_store`` / ``submit_load`` only queue work: the copies run on this
-  tier's I/O threads (``put_many`` / ``get_into``), never on the scheduler.
+  tier's I/O threads (``put_many`` / ``get_many_into``), never on the scheduler.
 - A page being loaded is pinned in the store from ``submit_load`` until its
   bytes are in the primary tier, so GC and eviction cannot move or free it
   mid-read. The primary slots of a store are pinned by vLLM (ref-count).
@@ -268,7 +268,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self._submit(store_part, part)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Pin the pages, then queue ``get_into`` of each into its primary-tier slot."""
+        """Pin the pages, then queue batched reads into their primary-tier slots."""
         keys = list(job_metadata.keys)
         chunk_ids = self._chunk_ids(job_metadata)
         job_id = job_metadata.job_id
@@ -289,14 +289,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
         def load_part(part: list[tuple[OffloadKey, int]]) -> None:
             loaded: list[OffloadKey] = []
-            for key, chunk_id in part:
-                page_key = self.page_key(key)
-                try:
-                    if self._load_one(page_key, chunk_id):
-                        loaded.append(key)
-                except Exception:
-                    _log.exception("kvstore tier: load of page %r failed", page_key)
-                finally:
+            page_keys = [self.page_key(key) for key, _ in part]
+            try:
+                loaded = self._load_batch(part, page_keys)
+            except Exception:
+                _log.exception("kvstore tier: batched load failed")
+            finally:
+                for page_key in page_keys:
                     self._unpin(page_key)
             if tracker.part_done(len(loaded) == len(part), loaded):
                 self._finish_job(
@@ -305,6 +304,47 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
         for part in parts:
             self._submit(load_part, part)
+
+    def _load_batch(
+        self, part: list[tuple[OffloadKey, int]], page_keys: list[bytes]
+    ) -> list[OffloadKey]:
+        """Read a part's pages with all reads in flight at once (``get_many_into``).
+
+        If any page fails its checksum the batch raises; then each page is read
+        on its own, so only the damaged ones are dropped (and deleted).
+        """
+        targets = [self._chunk(chunk_id) for _, chunk_id in part]
+        try:
+            sizes = self.store.get_many_into(page_keys, targets)
+        except (CorruptionError, ValueError):  # a damaged or oversized page: one by one
+            return [
+                key
+                for (key, chunk_id), page_key in zip(part, page_keys, strict=True)
+                if self._load_one_quietly(page_key, chunk_id)
+            ]
+        loaded = []
+        for (key, _), page_key, size in zip(part, page_keys, sizes, strict=True):
+            if size == self.block_size_bytes:
+                loaded.append(key)
+            elif size is not None:
+                self._wrong_size(page_key, size)
+        return loaded
+
+    def _load_one_quietly(self, page_key: bytes, chunk_id: int) -> bool:
+        try:
+            return self._load_one(page_key, chunk_id)
+        except Exception:
+            _log.exception("kvstore tier: load of page %r failed", page_key)
+            return False
+
+    def _wrong_size(self, page_key: bytes, size: int) -> None:
+        _log.error(
+            "kvstore tier: page %r is %d bytes, a chunk is %d; deleting it",
+            page_key,
+            size,
+            self.block_size_bytes,
+        )
+        self._delete_quietly(page_key)
 
     def _load_one(self, page_key: bytes, chunk_id: int) -> bool:
         try:
@@ -317,13 +357,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if size is None:
             return False
         if size != self.block_size_bytes:
-            _log.error(
-                "kvstore tier: page %r is %d bytes, a chunk is %d; deleting it",
-                page_key,
-                size,
-                self.block_size_bytes,
-            )
-            self._delete_quietly(page_key)
+            self._wrong_size(page_key, size)
             return False
         return True
 

@@ -28,7 +28,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvstore import CorruptionError, KVStore
+from kvstore import KVStore
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.names import segment_path
 from kvstore.integrations.vllm import KVStoreTier
 from tools.vllm_tier_bench import (
     chunk_bytes_for,
@@ -209,14 +211,18 @@ def test_load_reports_per_key_and_drops_corrupt_pages(tmp_path: Path) -> None:
     tier.submit_store(job(1, stored, [0, 1, 2], promotion=False))
     assert finished(tier)[0].success
     corrupt = stored[1]
-    real_get_into = tier.store.get_into
-
-    def get_into(page_key: bytes, buffer: Any) -> Any:
-        if page_key == tier.page_key(corrupt):
-            raise CorruptionError(f"checksum mismatch in {page_key!r}")
-        return real_get_into(page_key, buffer)
-
-    tier.store.get_into = get_into  # type: ignore[method-assign]
+    tier.store.flush()
+    info = tier.store.info(tier.page_key(corrupt))
+    assert info is not None
+    # Rot one payload byte on disk: the batched read fails its checksum, and the
+    # tier reads the batch page by page to drop only this one.
+    fd = os.open(segment_path(tier.store.root, info.segment_id), os.O_RDWR)
+    try:
+        at = info.offset + BLOCK_BYTES + 100
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     missing = chunk_key(99)
     wanted = [stored[0], missing, corrupt, stored[2]]
     tier.submit_load(job(2, wanted, [4, 5, 6, 7], promotion=True))
