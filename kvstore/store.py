@@ -1433,7 +1433,20 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
-        return self.pin_many([key])[0]
+        raw = _key_bytes(key)
+        self._check_open()
+        with self._lock:
+            entry = self._table.get(raw)
+            if entry is None:
+                return False
+            stack = self._pins.get(raw)
+            if stack is None:
+                self._pins[raw] = [entry]
+            else:
+                stack.append(entry)
+            segment_pins = self._segment_pins
+            segment_pins[entry.segment_id] = segment_pins.get(entry.segment_id, 0) + 1
+            return True
 
     def pin_many(self, keys: Iterable[Key]) -> list[bool]:
         """``pin`` each key under one lock round; per key, False if it is absent."""
@@ -1458,7 +1471,21 @@ class KVStore:
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
-        self.unpin_many([key])
+        raw = _key_bytes(key)
+        self._check_open()
+        with self._lock:
+            stack = self._pins.get(raw)
+            if not stack:
+                raise PinError(f"unpin of {raw!r}, which is not pinned")
+            segment_id = stack.pop().segment_id
+            if not stack:
+                del self._pins[raw]
+            segment_pins = self._segment_pins
+            left = segment_pins[segment_id] - 1
+            if left:
+                segment_pins[segment_id] = left
+            else:
+                del segment_pins[segment_id]
 
     def unpin_many(self, keys: Iterable[Key]) -> None:
         """Drop one pin of each key; PinError, and nothing unpinned, if one is not pinned."""
