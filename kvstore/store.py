@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import lmdb
+import xxhash
 
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -71,6 +72,7 @@ from kvstore.format.records import (
     Superblock,
     decode_record_header,
     decode_superblock,
+    encode_record_fields_into,
     encode_record_header_into,
     encode_superblock,
 )
@@ -82,7 +84,7 @@ from kvstore.format.wal import (
     encode_delete,
     encode_lsn_lease,
     encode_move,
-    encode_put,
+    encode_put_fields,
     encode_retain,
     encode_segment_free,
     encode_segment_open,
@@ -133,6 +135,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVStore"]
 
+_xxh3 = xxhash.xxh3_64_intdigest  # = format.checksum.checksum, without the call layer
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
 
 
@@ -862,7 +865,7 @@ class KVStore:
             for token, (key, view, meta) in enumerate(prepared):
                 size = view.nbytes
                 span = record_span(size)
-                payload_checksum = checksum(view)
+                payload_checksum = _xxh3(view)
                 segment, offset, lsn = self._reserve(span, drain=drain if in_flight else None)
                 try:
                     buffer = self._buffers.acquire(span)
@@ -883,19 +886,17 @@ class KVStore:
                 # releases the reservation of a page that was never submitted.
                 in_flight[token] = _PendingPut(key, entry, buffer, segment, span, started_ns)
                 block = buffer.view
-                encode_record_header_into(
+                encode_record_fields_into(
                     block,
-                    RecordHeader(
-                        RECORD_PAGE,
-                        key,
-                        meta,
-                        size,
-                        lsn,
-                        segment.segment_id,
-                        offset,
-                        segment.generation,
-                        payload_checksum,
-                    ),
+                    RECORD_PAGE,
+                    key,
+                    meta,
+                    size,
+                    lsn,
+                    segment.segment_id,
+                    offset,
+                    segment.generation,
+                    payload_checksum,
                 )
                 block[BLOCK_BYTES : BLOCK_BYTES + size] = view
                 block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
@@ -949,17 +950,15 @@ class KVStore:
             else:
                 entry = pending.entry
                 records.append(
-                    encode_put(
+                    encode_put_fields(
                         entry.lsn,
-                        PutBody(
-                            pending.key,
-                            entry.segment_id,
-                            entry.generation,
-                            entry.offset,
-                            entry.payload_bytes,
-                            entry.payload_checksum,
-                            entry.meta,
-                        ),
+                        pending.key,
+                        entry.segment_id,
+                        entry.generation,
+                        entry.offset,
+                        entry.payload_bytes,
+                        entry.payload_checksum,
+                        entry.meta,
                     )
                 )
             published.append(pending)

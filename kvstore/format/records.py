@@ -193,8 +193,35 @@ class RecordHeader:
 
 def encode_record_header_into(block: memoryview, header: RecordHeader) -> None:
     """Write ``header`` as a sealed 4 KiB block at the start of ``block``."""
-    key_len = len(header.key)
-    meta_len = len(header.meta)
+    encode_record_fields_into(
+        block,
+        header.record_type,
+        header.key,
+        header.meta,
+        header.payload_bytes,
+        header.lsn,
+        header.segment_id,
+        header.offset,
+        header.generation,
+        header.payload_checksum,
+    )
+
+
+def encode_record_fields_into(
+    block: memoryview,
+    record_type: int,
+    key: bytes,
+    meta: bytes,
+    payload_bytes: int,
+    lsn: int,
+    segment_id: int,
+    offset: int,
+    generation: int,
+    payload_checksum: int,
+) -> None:
+    """``encode_record_header_into`` from the fields (the put path builds no header object)."""
+    key_len = len(key)
+    meta_len = len(meta)
     if not 0 < key_len <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key_len}")
     if meta_len > MAX_META_BYTES:
@@ -204,21 +231,21 @@ def encode_record_header_into(block: memoryview, header: RecordHeader) -> None:
         0,
         RECORD_MAGIC,
         FORMAT_VERSION,
-        header.record_type,
+        record_type,
         0,
         key_len,
         meta_len,
-        header.payload_bytes,
-        header.lsn,
-        header.segment_id,
-        header.offset,
-        header.generation,
-        header.payload_checksum,
+        payload_bytes,
+        lsn,
+        segment_id,
+        offset,
+        generation,
+        payload_checksum,
     )
     start = RECORD_FIXED_BYTES
-    block[start : start + key_len] = header.key
+    block[start : start + key_len] = key
     start += key_len
-    block[start : start + meta_len] = header.meta
+    block[start : start + meta_len] = meta
     start += meta_len
     block[start:_CHECKSUM_AT] = _ZERO_BLOCK[start:_CHECKSUM_AT]
     _seal(block[:BLOCK_BYTES])

@@ -191,6 +191,23 @@ def encode_put(lsn: int, body: PutBody) -> bytes:
     return encode_wal_record(WAL_PUT, lsn, fixed + body.key + body.meta)
 
 
+def encode_put_fields(
+    lsn: int,
+    key: bytes,
+    segment_id: int,
+    generation: int,
+    offset: int,
+    payload_bytes: int,
+    payload_checksum: int,
+    meta: bytes,
+) -> bytes:
+    """``encode_put`` from the fields (the put path builds no ``PutBody``)."""
+    fixed = _PUT.pack(
+        segment_id, generation, offset, payload_bytes, payload_checksum, len(key), len(meta)
+    )
+    return encode_wal_record(WAL_PUT, lsn, fixed + key + meta)
+
+
 def encode_delete(lsn: int, key: bytes) -> bytes:
     return encode_wal_record(WAL_DELETE, lsn, _DELETE.pack(len(key)) + key)
 

@@ -473,7 +473,14 @@ def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
     store = open_store(gc_interval_s=0)
     for index in range(4):  # exactly fills the active segment
         store.put(key(index), value(index))
+    # The real prepare thread must not finish a spare under the test (a race on a
+    # loaded machine): make no more, wait out one in progress, set aside one made.
+    store._claim_spare = lambda: None  # type: ignore[method-assign]
+    deadline = time.monotonic() + 10
+    while store._preparing and time.monotonic() < deadline:
+        time.sleep(0.01)
     with store._cond:
+        made, store._spare = store._spare, None
         store._preparing = True  # a spare is "being made"
     writer = threading.Thread(target=store.put, args=(key(4), value(4)))
     writer.start()
@@ -490,6 +497,9 @@ def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
     writer.join(5)
     assert not writer.is_alive()
     assert store.get(key(4)) == value(4)
+    if made is not None:  # never named by the WAL: remove it as close would
+        made.close()
+        made.path.unlink()
 
 
 def test_a_failed_checkpoint_commit_keeps_the_overlay(open_store: OpenStore) -> None:
