@@ -180,80 +180,45 @@ def kv_workloads(root: Path, config: KvConfig, reporter: Reporter) -> list[Measu
                 raise RuntimeError(f"get_many returned wrong bytes for {key!r}")
         order = keys[:]
         rng.shuffle(order)
-        latencies = []
-        reporter.start(f"kvstore get_many({config.get_batch}), cold", len(order))
-        read = 0
-        cpu0 = CpuTimes.now()
-        start = time.perf_counter()
-        for first in range(0, len(order), config.get_batch):
-            wanted = order[first : first + config.get_batch]
-            t0 = time.perf_counter()
-            values = store.get_many(wanted)
-            latencies.append((time.perf_counter() - t0) * 1e6)
-            if any(value is None for value in values):
+
+        def get_many(wanted: list[bytes]) -> None:
+            if any(value is None for value in store.get_many(wanted)):
                 raise RuntimeError("get_many missed a page that was written")
-            read += len(wanted)
-            reporter.advance(len(wanted))
-            if time.perf_counter() - start > config.runtime_s:
-                break
-        seconds = time.perf_counter() - start
-        cpu = CpuTimes.now().since(cpu0)
-        reporter.finish()
+
         found.append(
-            Measurement(
-                name="kvstore.get_many_cold",
-                label=f"kvstore get_many({config.get_batch}) random, cold",
-                group="kvstore",
-                page_bytes=config.page_bytes,
-                ops=read,
-                bytes_moved=read * config.page_bytes,
-                seconds=seconds,
-                p50_us=percentile(latencies, 50),
-                p99_us=percentile(latencies, 99),
-                cold=cold,
-                extra=_cpu_extra(cpu, read, payload_us),
-                notes="latency is per get_many call",
+            _batched_reads(
+                order,
+                get_many,
+                "kvstore.get_many_cold",
+                f"kvstore get_many({config.get_batch}) random, cold",
+                config,
+                reporter,
+                cold,
+                payload_us,
             )
         )
 
         # -- get_many_into reused buffers, cold (how an engine loads pages) --------
         rng.shuffle(order)
         targets = [bytearray(config.page_bytes) for _ in range(config.get_batch)]
-        latencies = []
-        reporter.start(f"kvstore get_many_into({config.get_batch}), cold", len(order))
-        read = 0
-        cpu0 = CpuTimes.now()
-        start = time.perf_counter()
-        for first in range(0, len(order), config.get_batch):
-            wanted = order[first : first + config.get_batch]
-            t0 = time.perf_counter()
+
+        def get_many_into(wanted: list[bytes]) -> None:
             sizes = store.get_many_into(wanted, targets[: len(wanted)])
-            latencies.append((time.perf_counter() - t0) * 1e6)
             if any(size != config.page_bytes for size in sizes):
                 raise RuntimeError("get_many_into missed a page that was written")
-            read += len(wanted)
-            reporter.advance(len(wanted))
-            if time.perf_counter() - start > config.runtime_s:
-                break
-        seconds = time.perf_counter() - start
-        cpu = CpuTimes.now().since(cpu0)
-        reporter.finish()
-        if targets[0] != payloads[int(wanted[0][6:]) % len(payloads)]:  # the last batch
-            raise RuntimeError("get_many_into returned wrong bytes")
+            if targets[0] != payloads[int(wanted[0][6:]) % len(payloads)]:
+                raise RuntimeError("get_many_into returned wrong bytes")
+
         found.append(
-            Measurement(
-                name="kvstore.get_many_into_cold",
-                label=f"kvstore get_many_into({config.get_batch}) random, reused buffers, cold",
-                group="kvstore",
-                page_bytes=config.page_bytes,
-                ops=read,
-                bytes_moved=read * config.page_bytes,
-                seconds=seconds,
-                p50_us=percentile(latencies, 50),
-                p99_us=percentile(latencies, 99),
-                cold=cold,
-                extra=_cpu_extra(cpu, read, payload_us),
-                notes="latency is per get_many_into call",
+            _batched_reads(
+                order,
+                get_many_into,
+                "kvstore.get_many_into_cold",
+                f"kvstore get_many_into({config.get_batch}) random, reused buffers, cold",
+                config,
+                reporter,
+                cold,
+                payload_us,
             )
         )
 
@@ -266,6 +231,50 @@ def kv_workloads(root: Path, config: KvConfig, reporter: Reporter) -> list[Measu
         store.close()
         remove_tree(store_root)
     return found
+
+
+def _batched_reads(
+    order: list[bytes],
+    read_batch: Callable[[list[bytes]], None],
+    name: str,
+    label: str,
+    config: KvConfig,
+    reporter: Reporter,
+    cold: str,
+    payload_us: float,
+) -> Measurement:
+    """Read ``order`` in batches of ``get_batch`` with ``read_batch``: MB/s and latency per call."""
+    latencies: list[float] = []
+    reporter.start(label, len(order))
+    read = 0
+    cpu0 = CpuTimes.now()
+    start = time.perf_counter()
+    for first in range(0, len(order), config.get_batch):
+        wanted = order[first : first + config.get_batch]
+        t0 = time.perf_counter()
+        read_batch(wanted)
+        latencies.append((time.perf_counter() - t0) * 1e6)
+        read += len(wanted)
+        reporter.advance(len(wanted))
+        if time.perf_counter() - start > config.runtime_s:
+            break
+    seconds = time.perf_counter() - start
+    cpu = CpuTimes.now().since(cpu0)
+    reporter.finish()
+    return Measurement(
+        name=name,
+        label=label,
+        group="kvstore",
+        page_bytes=config.page_bytes,
+        ops=read,
+        bytes_moved=read * config.page_bytes,
+        seconds=seconds,
+        p50_us=percentile(latencies, 50),
+        p99_us=percentile(latencies, 99),
+        cold=cold,
+        extra=_cpu_extra(cpu, read, payload_us),
+        notes="latency is per call",
+    )
 
 
 def _single_gets(
