@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import KVStore
+from kvstore.bench.common import mount_of, read_sysfs
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -172,32 +173,6 @@ def maybe_profile(profile_dir: Path | None, name: str) -> Iterator[None]:
 # -- machine description -------------------------------------------------------
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def _mount_of(path: Path) -> dict[str, str]:
-    best: dict[str, str] = {}
-    resolved = str(path.resolve())
-    for line in _read("/proc/mounts").splitlines():
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mount_point = parts[1]
-        inside = resolved == mount_point or resolved.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best.get("mount_point", "")):
-            best = {
-                "device": parts[0],
-                "mount_point": mount_point,
-                "fs": parts[2],
-                "options": parts[3],
-            }
-    return best
-
-
 def _block_device(path: Path) -> dict[str, str]:
     dev = os.stat(path).st_dev
     sys_dir = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
@@ -207,12 +182,12 @@ def _block_device(path: Path) -> dict[str, str]:
     if not queue.exists():  # a partition: the queue lives on the parent disk
         queue = sys_dir.resolve().parent / "queue"
     info = {"name": sys_dir.resolve().name}
-    size_sectors = _read(str(sys_dir / "size"))
+    size_sectors = read_sysfs(str(sys_dir / "size"))
     if size_sectors.isdigit():
         info["size_gib"] = f"{int(size_sectors) * 512 / (1 << 30):.0f}"
     for key in ("scheduler", "rotational", "nr_requests", "max_sectors_kb", "logical_block_size"):
-        info[key] = _read(str(queue / key))
-    info["model"] = _read(str(sys_dir.resolve() / "device" / "model"))
+        info[key] = read_sysfs(str(queue / key))
+    info["model"] = read_sysfs(str(sys_dir.resolve() / "device" / "model"))
     return info
 
 
@@ -239,7 +214,7 @@ def pressure() -> dict[str, float]:
     """PSI ``some avg10`` for io and cpu: how much other work was competing just now."""
     found: dict[str, float] = {}
     for resource_name in ("io", "cpu"):
-        for line in _read(f"/proc/pressure/{resource_name}").splitlines():
+        for line in read_sysfs(f"/proc/pressure/{resource_name}").splitlines():
             if line.startswith("some"):
                 fields = dict(part.split("=", 1) for part in line.split()[1:])
                 found[resource_name] = float(fields.get("avg10", "nan"))
@@ -247,12 +222,12 @@ def pressure() -> dict[str, float]:
 
 
 def machine_info(bench_dir: Path, fio: str) -> dict[str, Any]:
-    meminfo = _read("/proc/meminfo").splitlines()
+    meminfo = read_sysfs("/proc/meminfo").splitlines()
     mem_kib = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal")), 0)
     cpu_model = next(
         (
             line.split(":", 1)[1].strip()
-            for line in _read("/proc/cpuinfo").splitlines()
+            for line in read_sysfs("/proc/cpuinfo").splitlines()
             if line.startswith("model name")
         ),
         platform.processor(),
@@ -270,7 +245,7 @@ def machine_info(bench_dir: Path, fio: str) -> dict[str, Any]:
         "kvstore": kvstore.__version__,
         "fio": fio_version,
         "bench_dir": str(bench_dir.resolve()),
-        "mount": _mount_of(bench_dir),
+        "mount": mount_of(bench_dir),
         "block_device": _block_device(bench_dir),
         "loadavg_start": os.getloadavg(),
         "code": code_version(),

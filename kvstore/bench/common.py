@@ -40,8 +40,10 @@ __all__ = [
     "NullReporter",
     "Reporter",
     "machine_info",
+    "mount_of",
     "payload_pool",
     "percentile",
+    "read_sysfs",
     "remove_tree",
     "resident_fraction",
 ]
@@ -206,17 +208,19 @@ def resident_fraction(paths: Sequence[Path], offsets: Sequence[int] = (0,)) -> f
     return hits / probes if probes else 0.0
 
 
-def _read(path: str) -> str:
+def read_sysfs(path: str) -> str:
+    """A /proc or /sys file's text, stripped; "" when it cannot be read."""
     try:
         return Path(path).read_text().strip()
     except OSError:
         return ""
 
 
-def _mount_of(path: Path) -> dict[str, str]:
+def mount_of(path: Path) -> dict[str, str]:
+    """The /proc/mounts entry (device, mount point, fs, options) that holds ``path``."""
     best: dict[str, str] = {}
     resolved = str(path.resolve())
-    for line in _read("/proc/mounts").splitlines():
+    for line in read_sysfs("/proc/mounts").splitlines():
         parts = line.split()
         if len(parts) < 4:
             continue
@@ -255,12 +259,12 @@ def _code_version() -> dict[str, object]:
 
 def machine_info(bench_dir: Path) -> dict[str, object]:
     """Where the run happened: CPU, memory, kernel, file system, code version, load."""
-    meminfo = _read("/proc/meminfo").splitlines()
+    meminfo = read_sysfs("/proc/meminfo").splitlines()
     mem_kib = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal")), 0)
     cpu_model = next(
         (
             line.split(":", 1)[1].strip()
-            for line in _read("/proc/cpuinfo").splitlines()
+            for line in read_sysfs("/proc/cpuinfo").splitlines()
             if line.startswith("model name")
         ),
         platform.processor(),
@@ -274,7 +278,7 @@ def machine_info(bench_dir: Path) -> dict[str, object]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "bench_dir": str(bench_dir.resolve()),
-        "mount": _mount_of(bench_dir),
+        "mount": mount_of(bench_dir),
         "disk_free_gib": round(usage.free / (1 << 30), 1),
         "loadavg": list(os.getloadavg()),
         "code": _code_version(),
