@@ -1215,9 +1215,13 @@ class KVStore:
     def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
         """Register reads on the segments holding ``wanted`` so GC cannot free them.
 
-        A lookup that raced a segment free (its page moved or died) is redone.
+        A lookup that raced a segment free (its page moved or died) is redone. An
+        entry that keeps naming a segment the store does not have is corruption
+        (a damaged or hostile index), not a race: CorruptionError, nothing held.
         """
+        held: list[int] = []
         todo = list(range(len(wanted)))
+        stuck_rounds = 0
         while todo:
             retry = []
             with self._lock:
@@ -1227,11 +1231,32 @@ class KVStore:
                         continue
                     if entry.segment_id in self._segments:
                         self._segment_readers[entry.segment_id] += 1
+                        held.append(index)
                     else:
                         retry.append(index)
+            stuck = None
             for index in retry:
-                key = wanted[index][0]
-                wanted[index] = (key, self._table.get(key))
+                key, old = wanted[index]
+                new = self._table.get(key)
+                if new is not None and new == old:
+                    stuck = (key, new)
+                wanted[index] = (key, new)
+            stuck_rounds = stuck_rounds + 1 if stuck is not None else 0
+            if stuck is not None and stuck_rounds >= 3:
+                with self._lock:
+                    for index in held:
+                        entry = wanted[index][1]
+                        assert entry is not None
+                        self._release_reader(entry.segment_id)
+                key, entry = stuck
+                for index in retry:  # nothing of this call stays held
+                    wanted[index] = (wanted[index][0], None)
+                raise CorruptionError(
+                    f"page {key!r} names segment {entry.segment_id}, which the store does "
+                    "not have; run `kvstore recover PATH`"
+                )
+            if stuck is not None:
+                time.sleep(0.001)  # let a segment free that is in progress finish
             todo = retry
 
     def _unhold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:

@@ -874,3 +874,34 @@ def test_record_copied_over_another_page_is_caught(open_store: OpenStore, store_
     with pytest.raises(CorruptionError, match="not this page"):
         store.get("b")
     assert store.get("a") == page(7, 6000)
+
+
+def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVStore) -> None:
+    """A damaged or hostile index entry that names a segment the store does not
+    have must end in CorruptionError; a read once retried it forever (found by the
+    hostile-store fuzzer)."""
+    import dataclasses
+
+    store.put_many([("good", b"g" * 100), ("bad", b"b" * 100)])
+    entry = store._table.get(b"bad")
+    assert entry is not None
+    with store._lock:
+        store._table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
+    result: list[object] = []
+
+    def read() -> None:
+        try:
+            result.append(store.get("bad"))
+        except KVStoreError as e:
+            result.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "get() spun on an entry naming a missing segment"
+    assert isinstance(result[0], CorruptionError)
+    assert "999999" in str(result[0]) and "kvstore recover" in str(result[0])
+    with pytest.raises(CorruptionError):
+        store.get_many(["good", "bad"])
+    assert store.get("good") == b"g" * 100  # nothing was left held or broken
+    assert store._segment_readers == {} or not any(store._segment_readers.values())
