@@ -186,13 +186,13 @@ def test_load_pins_pages_until_they_are_read(tmp_path: Path) -> None:
     tier.submit_store(job(1, keys, [0, 1, 2], promotion=False))
     assert finished(tier)[0].success
     release = threading.Event()
-    real_get_into = tier.store.get_into
+    real_read = tier.store.get_many_into
 
-    def slow_get_into(*args: Any) -> Any:
+    def slow_read(*args: Any) -> Any:
         release.wait(10)
-        return real_get_into(*args)
+        return real_read(*args)
 
-    tier.store.get_into = slow_get_into  # type: ignore[method-assign]
+    tier.store.get_many_into = slow_read  # type: ignore[method-assign]
     tier.submit_load(job(2, keys, [5, 6, 7], promotion=True))
     assert [tier.store.pin_count(tier.page_key(key)) for key in keys] == [1, 1, 1]
     release.set()
