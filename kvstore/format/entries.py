@@ -152,6 +152,8 @@ def encode_segment_entry(segment_id: int, entry: SegmentEntry) -> bytes:
 
 
 def decode_segment_entry(segment_id: int, value: bytes) -> SegmentEntry:
+    if not 0 <= segment_id < 1 << 64:  # from a damaged key: it has no entry to match
+        raise CorruptionError(f"segment table entry {segment_id}: id out of range")
     if len(value) != _SEGMENT.size + 8:
         raise CorruptionError(f"segment table entry {segment_id}: bad length {len(value)}")
     body = value[:-8]

@@ -287,7 +287,9 @@ def load_segments(env: IndexEnv) -> dict[int, SegmentState]:
         cursor = txn.cursor(db=env.segments)
         for raw_key, raw_value in cursor:
             segment_id = int.from_bytes(raw_key, "big")
-            if raw_key != segment_key(segment_id):
+            # A damaged B-tree can hand back a key of any length: check it before
+            # packing the id back (an id of 2**64 or more does not pack).
+            if len(raw_key) != 8 or raw_key != segment_key(segment_id):
                 raise CorruptionError(f"segment table has a malformed key {raw_key!r}")
             found[segment_id] = SegmentState.from_entry(decode_segment_entry(segment_id, raw_value))
     return found

@@ -243,3 +243,21 @@ def test_apply_put_into_an_unknown_segment_is_corruption(env: IndexEnv) -> None:
     with pytest.raises(CorruptionError, match="generation 11"):
         apply_put(table, wrong_generation, b"a", entry(5))
     assert table.get(b"a") is None
+
+
+def test_a_segment_key_longer_than_8_bytes_is_corruption(tmp_path: Path) -> None:
+    """A damaged B-tree can return a segment key of any length; its id (>= 2**64)
+    once escaped as struct.error from open (found by the 100k corruption sweep)."""
+    from kvstore.format.entries import decode_segment_entry
+    from kvstore.index.table import load_segments
+
+    with pytest.raises(CorruptionError, match="out of range"):
+        decode_segment_entry(1 << 64, b"\x00" * 48)
+    env = IndexEnv(tmp_path / "index", readonly=False, create=True)
+    try:
+        with env.env.begin(write=True) as txn:
+            txn.put(b"\x01" * 9, b"\x00" * 48, db=env.segments)
+        with pytest.raises(CorruptionError, match="malformed key"):
+            load_segments(env)
+    finally:
+        env.close()
