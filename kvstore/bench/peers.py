@@ -224,12 +224,16 @@ def file_per_page(root: Path, config: PeerConfig, reporter: Reporter) -> list[Me
     return found
 
 
-def tmp_rename(root: Path, config: PeerConfig, reporter: Reporter) -> list[Measurement]:
-    payloads = payload_pool(config.page_bytes)
-    pages = config.total_bytes // config.page_bytes
-    directory = root / "tmp-rename"
+def _fresh(root: Path, name: str, config: PeerConfig) -> tuple[list[bytes], int, Path]:
+    """(payloads, page count, an empty directory ``root/name``) for one peer's run."""
+    directory = root / name
     remove_tree(directory)
     directory.mkdir(parents=True)
+    return payload_pool(config.page_bytes), config.total_bytes // config.page_bytes, directory
+
+
+def tmp_rename(root: Path, config: PeerConfig, reporter: Reporter) -> list[Measurement]:
+    payloads, pages, directory = _fresh(root, "tmp-rename", config)
     phase = _Phase(config.runtime_s)
     label = "temp file + fsync + rename + dir fsync (HiCache-style, durable)"
     reporter.start(label, pages)
@@ -385,11 +389,7 @@ def safetensors_files(root: Path, config: PeerConfig, reporter: Reporter) -> lis
 
 
 def odirect_pool(root: Path, config: PeerConfig, reporter: Reporter) -> list[Measurement]:
-    payloads = payload_pool(config.page_bytes)
-    pages = config.total_bytes // config.page_bytes
-    directory = root / "odirect"
-    remove_tree(directory)
-    directory.mkdir(parents=True)
+    payloads, pages, directory = _fresh(root, "odirect", config)
     path = directory / "pages.dat"
     buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
     for _ in range(config.io_depth):
