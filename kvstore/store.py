@@ -1457,8 +1457,9 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
-        raw = _key_bytes(key)
-        self._check_open()
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES else _key_bytes(key)
+        if self._closed:
+            self._check_open()
         with self._lock:
             entry = self._table.get(raw)
             if entry is None:
@@ -1495,8 +1496,9 @@ class KVStore:
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
-        raw = _key_bytes(key)
-        self._check_open()
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES else _key_bytes(key)
+        if self._closed:
+            self._check_open()
         with self._lock:
             stack = self._pins.get(raw)
             if not stack:
