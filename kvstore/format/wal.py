@@ -179,16 +179,16 @@ def encode_wal_record(record_type: int, lsn: int, body: bytes) -> bytes:
 
 
 def encode_put(lsn: int, body: PutBody) -> bytes:
-    fixed = _PUT.pack(
+    return encode_put_fields(
+        lsn,
+        body.key,
         body.segment_id,
         body.generation,
         body.offset,
         body.payload_bytes,
         body.payload_checksum,
-        len(body.key),
-        len(body.meta),
+        body.meta,
     )
-    return encode_wal_record(WAL_PUT, lsn, fixed + body.key + body.meta)
 
 
 def encode_put_fields(
