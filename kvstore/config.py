@@ -29,6 +29,10 @@ class StoreConfig:
     io_engine: str = "auto"  # "auto" | "io_uring" | "threadpool"
     direct_io: bool | None = None  # None: O_DIRECT where the file system allows it
     io_depth: int = 64
+    # A single-page get/get_into on io_uring polls its completion for up to this long
+    # (releasing the GIL between polls) before sleeping: no idle wake-up on the latency
+    # path, at the price of a busy core while the read runs. 0: always sleep.
+    read_poll_us: int = 1000
     lsn_lease_step: int = 1 << 20
     eviction_policy: str = "fifo"  # a name registered in kvstore.space.policies
     low_watermark_segments: int = 2  # evict when fewer free segments remain
@@ -77,6 +81,8 @@ class StoreConfig:
             raise ValueError("low_watermark_segments and gc_reserve_segments must be >= 1")
         if self.flush_interval_ms <= 0 or self.io_depth < 1 or self.lsn_lease_step < 1:
             raise ValueError("flush_interval_ms, io_depth and lsn_lease_step must be positive")
+        if self.read_poll_us < 0:
+            raise ValueError(f"read_poll_us must be >= 0, got {self.read_poll_us}")
         if self.telemetry_flush_interval_s <= 0 or self.telemetry_retention_hours < 30 * 24:
             raise ValueError(
                 "telemetry_flush_interval_s must be positive and telemetry_retention_hours "

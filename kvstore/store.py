@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
@@ -69,11 +70,13 @@ from kvstore.format.names import (
 from kvstore.format.records import (
     RecordHeader,
     Superblock,
+    block_is_sealed,
     decode_record_header,
     decode_superblock,
     encode_record_fields_into,
     encode_record_header_into,
     encode_superblock,
+    record_header_prefix,
 )
 from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
@@ -131,6 +134,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from kvstore.check import Finding
+
+_T = TypeVar("_T")
 
 __all__ = ["KVStore"]
 
@@ -343,6 +348,9 @@ class KVStore:
         else:
             self.direct_io = probe_direct_io(root / SEGMENTS_DIR)
         self._engine: IOEngine = make_engine(config.io_engine, config.io_depth)
+        # Single-page reads poll their completion on io_uring (see StoreConfig.read_poll_us).
+        self._poll_ns = config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0
+        self._read_tokens = itertools.count()
         self._buffers = BufferPool()
         self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
         recovered = self._recover()
@@ -1188,6 +1196,23 @@ class KVStore:
             if result < 0:
                 raise IOFailure(f"read of {where()} failed", -result)
             raise CorruptionError(f"{where()}: short read ({result} of {entry.span_bytes} bytes)")
+        # Fast path: the header must be byte for byte what the writer sealed for
+        # this entry. Anything else is decoded field by field for a precise error.
+        expected = record_header_prefix(
+            key,
+            entry.meta,
+            entry.payload_bytes,
+            entry.lsn,
+            entry.segment_id,
+            entry.offset,
+            entry.generation,
+            entry.payload_checksum,
+        )
+        if view[: len(expected)] == expected and block_is_sealed(view):
+            payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
+            if checksum(payload) != entry.payload_checksum:
+                raise CorruptionError(f"{where()}: payload checksum mismatch")
+            return payload
         try:
             header = decode_record_header(view, max_page_bytes=self.config.max_page_bytes)
         except CorruptionError as e:
@@ -1348,39 +1373,18 @@ class KVStore:
 
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
-        self._check_open()
-        started_ns = time.perf_counter_ns()
-        wanted = [self._entry(key)]
-        self._hold(wanted)
-        raw, entry = wanted[0]
-        data: bytes | None = None
-        try:
-            if entry is not None:
-                # The latency path: one preadv, no ring, no per-batch bookkeeping.
-                buffer, result = self._read_one(entry)
-                try:
-                    data = bytes(self._verify(raw, entry, buffer.view, result))
-                finally:
-                    self._buffers.release(buffer)
-        finally:
-            done_ns = time.perf_counter_ns()
-            tv = self._tv
-            with self._lock:
-                if entry is not None:
-                    self._release_reader(entry.segment_id)
-                self._counters["gets"] += 1
-                tv[tc.GETS] += 1
-                if data is None:
-                    self._counters["misses"] += 1
-                    tv[tc.MISSES] += 1
-                else:
-                    self._counters["hits"] += 1
-                    self._counters["bytes_read"] += len(data)
-                    tv[tc.HITS] += 1
-                    tv[tc.READ_BYTES] += len(data)
-                    self._policy.on_read(raw)
-                tc.observe(tv, tc.OP_GET, done_ns - started_ns)
-        return data
+        return self._get_single(key, bytes, None)
+
+    def _wait_for(self, queue: IOQueue, token: int) -> int:
+        """The result of request ``token`` on this thread's ``get`` lane.
+
+        Completions of other tokens are of reads an interrupted call abandoned
+        (their buffers were never reused): dropped.
+        """
+        while True:
+            for done_token, result in queue.wait(1, poll_ns=self._poll_ns):
+                if done_token == token:
+                    return result
 
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
@@ -1398,24 +1402,93 @@ class KVStore:
         """Read ``key`` into the caller's writable buffer; bytes written, or None."""
         self._check_open()
         target = _writable_view(buffer)
-        raw, entry = self._entry(key)
-        if entry is None:
-            with self._lock:
-                self._counters["gets"] += 1
-                self._counters["misses"] += 1
-                self._tv[tc.GETS] += 1
-                self._tv[tc.MISSES] += 1
-            return None
-        if entry.payload_bytes > target.nbytes:
-            raise ValueError(
-                f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
-                f"of {entry.payload_bytes} bytes"
-            )
 
-        def sink(_: int, payload: memoryview) -> None:
+        def copy(payload: memoryview) -> int:
             target[: payload.nbytes] = payload
+            return payload.nbytes
 
-        return self._read_entries([(raw, entry)], sink)[0]
+        return self._get_single(key, copy, target)
+
+    def _get_single(
+        self, key: Key, consume: Callable[[memoryview], _T], target: memoryview | None
+    ) -> _T | None:
+        """One page, the latency path: ``consume(verified payload)``, or None when absent.
+
+        No batch bookkeeping: hold the segment, one read (on io_uring, polled for
+        up to ``read_poll_us``; else one ``preadv``), verify, consume, and count,
+        with the store lock taken once before the read and once after.
+        """
+        self._check_open()
+        started_ns = time.perf_counter_ns()
+        raw, entry = self._entry(key)
+        if entry is not None:
+            if target is not None and entry.payload_bytes > target.nbytes:
+                raise ValueError(
+                    f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
+                    f"of {entry.payload_bytes} bytes"
+                )
+            with self._lock:
+                segment = self._segments.get(entry.segment_id)
+                if segment is not None:
+                    self._segment_readers[entry.segment_id] += 1
+            if segment is None:  # raced a segment free, or a damaged index: look again
+                wanted: list[tuple[bytes, PageEntry | None]] = [(raw, entry)]
+                self._hold(wanted)
+                entry = wanted[0][1]
+                if entry is not None:
+                    segment = self._segments[entry.segment_id]
+        result: _T | None = None
+        try:
+            if entry is not None:
+                assert segment is not None
+                span = entry.span_bytes
+                buffer: AlignedBuffer | None = self._buffers.acquire(span)
+                try:
+                    assert buffer is not None
+                    view = buffer.view
+                    if self._poll_ns:
+                        token = next(self._read_tokens)
+                        queue = self._engine.queue("get")
+                        queue.read(segment.fd, entry.offset, view[:span], token)
+                        try:
+                            done = self._wait_for(queue, token)
+                        except BaseException:
+                            buffer = None  # still the kernel's to write into: never reuse
+                            raise
+                    else:
+                        try:
+                            done = os.preadv(segment.fd, [view[:span]], entry.offset)
+                        except OSError as e:
+                            done = -(e.errno or 5)
+                    if target is not None and entry.payload_bytes > target.nbytes:
+                        raise ValueError(  # overwritten by a larger page meanwhile
+                            f"buffer of {target.nbytes} bytes is too small for page "
+                            f"{raw!r} of {entry.payload_bytes} bytes"
+                        )
+                    result = consume(self._verify(raw, entry, view, done))
+                finally:
+                    if buffer is not None:
+                        self._buffers.release(buffer)
+        finally:
+            done_ns = time.perf_counter_ns()
+            tv = self._tv
+            with self._lock:
+                if entry is not None:
+                    self._release_reader(entry.segment_id)
+                self._counters["gets"] += 1
+                tv[tc.GETS] += 1
+                if result is None:
+                    self._counters["misses"] += 1
+                    tv[tc.MISSES] += 1
+                else:
+                    assert entry is not None
+                    self._counters["hits"] += 1
+                    self._counters["bytes_read"] += entry.payload_bytes
+                    tv[tc.HITS] += 1
+                    tv[tc.READ_BYTES] += entry.payload_bytes
+                    self._policy.on_read(raw)
+                tc.observe(tv, tc.OP_GET, done_ns - started_ns)
+        return result
 
     def get_many_into(self, keys: Iterable[Key], buffers: Iterable[object]) -> list[int | None]:
         """Read many pages into the caller's buffers with up to ``io_depth`` reads in flight.

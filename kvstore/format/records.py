@@ -32,16 +32,19 @@ __all__ = [
     "RecordHeader",
     "SegmentHeader",
     "Superblock",
+    "block_is_sealed",
     "decode_record_header",
     "decode_segment_header",
     "decode_superblock",
     "encode_record_header_into",
     "encode_segment_header",
     "encode_superblock",
+    "record_header_prefix",
 ]
 
 _CHECKSUM_AT = BLOCK_BYTES - 8
 _ZERO_BLOCK = bytes(BLOCK_BYTES)
+_SEAL = struct.Struct("<Q")
 
 # magic, version, block_bytes, flags, uuid, created_ns, segment_bytes, max_page_bytes,
 # capacity_bytes
@@ -249,6 +252,46 @@ def encode_record_fields_into(
     start += meta_len
     block[start:_CHECKSUM_AT] = _ZERO_BLOCK[start:_CHECKSUM_AT]
     _seal(block[:BLOCK_BYTES])
+
+
+def record_header_prefix(
+    key: bytes,
+    meta: bytes,
+    payload_bytes: int,
+    lsn: int,
+    segment_id: int,
+    offset: int,
+    generation: int,
+    payload_checksum: int,
+) -> bytes:
+    """The bytes a page record's header block starts with: fixed fields, key, meta.
+
+    A reader that knows what it expects (from the page table) compares these
+    and checks the block's seal instead of decoding the header field by field.
+    """
+    return (
+        _RECORD_HEADER.pack(
+            RECORD_MAGIC,
+            FORMAT_VERSION,
+            RECORD_PAGE,
+            0,
+            len(key),
+            len(meta),
+            payload_bytes,
+            lsn,
+            segment_id,
+            offset,
+            generation,
+            payload_checksum,
+        )
+        + key
+        + meta
+    )
+
+
+def block_is_sealed(block: memoryview) -> bool:
+    """Whether a 4 KiB block's last 8 bytes are the xxh3 of the rest."""
+    return bool(_SEAL.unpack_from(block, _CHECKSUM_AT)[0] == checksum(block[:_CHECKSUM_AT]))
 
 
 def decode_record_header(block: BytesLike, *, max_page_bytes: int) -> RecordHeader:

@@ -32,8 +32,12 @@ class IOQueue(Protocol):
         """Hand every queued request to the kernel (or the worker threads)."""
         ...
 
-    def wait(self, min_complete: int = 1) -> list[tuple[int, int]]:
-        """Block until at least ``min_complete`` completions (or none in flight)."""
+    def wait(self, min_complete: int = 1, *, poll_ns: int = 0) -> list[tuple[int, int]]:
+        """Block until at least ``min_complete`` completions (or none in flight).
+
+        ``poll_ns`` > 0 lets an engine poll for completions that long before it
+        sleeps (io_uring does; the thread pool ignores it).
+        """
         ...
 
 

@@ -47,7 +47,8 @@ class ThreadPoolQueue:
     def submit(self) -> None:
         """Requests start as soon as they are queued; nothing to do."""
 
-    def wait(self, min_complete: int = 1) -> list[tuple[int, int]]:
+    def wait(self, min_complete: int = 1, *, poll_ns: int = 0) -> list[tuple[int, int]]:
+        """``poll_ns`` is accepted for interface parity and ignored (futures wake us)."""
         completions: list[tuple[int, int]] = []
         wanted = min(min_complete, len(self._pending))
         while True:

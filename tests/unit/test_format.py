@@ -50,12 +50,14 @@ from kvstore.format.records import (
     RecordHeader,
     SegmentHeader,
     Superblock,
+    block_is_sealed,
     decode_record_header,
     decode_segment_header,
     decode_superblock,
     encode_record_header_into,
     encode_segment_header,
     encode_superblock,
+    record_header_prefix,
 )
 from kvstore.format.wal import (
     WAL_FILE_HEADER_BYTES,
@@ -247,6 +249,36 @@ def test_record_header_round_trip_at_the_limits() -> None:
         lsn=2**64 - 1,
     )
     assert decode_record_header(encode_record_header(header), max_page_bytes=MAX_PAGE) == header
+
+
+@pytest.mark.parametrize("meta", [b"", b'{"dtype":"float16"}'])
+def test_record_header_prefix_is_what_the_encoder_writes(meta: bytes) -> None:
+    """Readers compare this prefix instead of decoding: it must match byte for byte."""
+    header = make_record_header(meta=meta)
+    block = encode_record_header(header)
+    prefix = record_header_prefix(
+        header.key,
+        header.meta,
+        header.payload_bytes,
+        header.lsn,
+        header.segment_id,
+        header.offset,
+        header.generation,
+        header.payload_checksum,
+    )
+    assert len(prefix) == 64 + len(header.key) + len(meta)
+    assert block.startswith(prefix)
+    assert block_is_sealed(memoryview(block))
+    other = record_header_prefix(
+        header.key, meta, header.payload_bytes, header.lsn + 1, 3, 8192, 41, 0
+    )
+    assert not block.startswith(other)
+
+
+def test_block_is_sealed_catches_every_flipped_byte() -> None:
+    block = encode_record_header(make_record_header())
+    for position in range(0, BLOCK_BYTES, 7):
+        assert not block_is_sealed(memoryview(flipped(block, position)))
 
 
 def test_record_header_encode_clears_stale_bytes() -> None:
