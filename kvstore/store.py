@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -209,6 +210,10 @@ def _writable_view(buffer: object) -> memoryview:
     if not target.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
     return target.cast("B") if target.format != "B" or target.ndim != 1 else target
+
+
+def _payload_bytes(payload: memoryview, _in_place: bool) -> bytes:
+    return bytes(payload)
 
 
 def _decode_meta(raw: bytes) -> dict[str, Any]:
@@ -1167,28 +1172,74 @@ class KVStore:
         raw = _key_bytes(key)
         return raw, self._table.get(raw)
 
-    def _submit_read(self, queue: IOQueue, entry: PageEntry, token: int) -> AlignedBuffer:
+    def _submit_read(
+        self, queue: IOQueue, entry: PageEntry, token: int, direct: memoryview | None
+    ) -> AlignedBuffer:
         segment = self._segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
+        if direct is not None:  # header block into the pool, payload into the caller's memory
+            buffer = self._buffers.acquire(BLOCK_BYTES)
+            queue.readv(segment.fd, entry.offset, [buffer.view[:BLOCK_BYTES], direct], token)
+            return buffer
         span = entry.span_bytes
         buffer = self._buffers.acquire(span)
         queue.read(segment.fd, entry.offset, buffer.view[:span], token)
         return buffer
 
-    def _read_one(self, entry: PageEntry) -> tuple[AlignedBuffer, int]:
+    def _read_one(self, entry: PageEntry, direct: memoryview | None) -> tuple[AlignedBuffer, int]:
         segment = self._segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        span = entry.span_bytes
-        buffer = self._buffers.acquire(span)
+        buffer, views = self._read_views(entry, direct)
         try:
-            result = os.preadv(segment.fd, [buffer.view[:span]], entry.offset)
+            result = os.preadv(segment.fd, views, entry.offset)
         except OSError as e:
             result = -(e.errno or 5)
         return buffer, result
 
-    def _verify(self, key: bytes, entry: PageEntry, view: memoryview, result: int) -> memoryview:
+    def _read_views(
+        self, entry: PageEntry, direct: memoryview | None
+    ) -> tuple[AlignedBuffer, list[memoryview]]:
+        """A pool buffer and the scatter list of one record read (see ``_direct_target``)."""
+        if direct is not None:
+            buffer = self._buffers.acquire(BLOCK_BYTES)
+            return buffer, [buffer.view[:BLOCK_BYTES], direct]
+        span = entry.span_bytes
+        buffer = self._buffers.acquire(span)
+        return buffer, [buffer.view[:span]]
+
+    @staticmethod
+    def _direct_target(entry: PageEntry, target: memoryview) -> memoryview | None:
+        """The part of a caller's buffer the payload can be read straight into, or None.
+
+        Zero-copy needs what O_DIRECT needs: the memory 4 KiB aligned, and a payload
+        of whole 4 KiB blocks (so the record's zero padding is never written into
+        the caller's buffer). Page-aligned memory (mmap, pinned host memory, most
+        KV-cache pages) qualifies; anything else is read into the pool and copied.
+        """
+        size = entry.payload_bytes
+        if size % BLOCK_BYTES or size > target.nbytes:
+            return None
+        view = target[:size]
+        if ctypes.addressof(ctypes.c_char.from_buffer(view)) % BLOCK_BYTES:
+            return None
+        return view
+
+    def _verify(
+        self,
+        key: bytes,
+        entry: PageEntry,
+        view: memoryview,
+        result: int,
+        payload: memoryview | None = None,
+    ) -> memoryview:
+        """Check a record read; return its payload (``payload`` if it was read there).
+
+        ``view`` starts with the record's header block; the payload follows it in
+        ``view`` unless it was read straight into ``payload`` (the caller's memory).
+        """
+
         def where() -> str:  # only formatted on the error paths
             return f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
 
@@ -1208,8 +1259,9 @@ class KVStore:
             entry.generation,
             entry.payload_checksum,
         )
-        if view[: len(expected)] == expected and block_is_sealed(view):
+        if payload is None:
             payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
+        if view[: len(expected)] == expected and block_is_sealed(view):
             if checksum(payload) != entry.payload_checksum:
                 raise CorruptionError(f"{where()}: payload checksum mismatch")
             return payload
@@ -1230,7 +1282,6 @@ class KVStore:
                 f"{where()}: the record there is not this page (key {header.key!r}, "
                 f"segment {header.segment_id}, offset {header.offset}, lsn {header.lsn})"
             )
-        payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
         if checksum(payload) != entry.payload_checksum:
             raise CorruptionError(f"{where()}: payload checksum mismatch")
         return payload
@@ -1295,34 +1346,54 @@ class KVStore:
             del self._segment_readers[segment_id]
 
     def _read_entries(
-        self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
+        self,
+        wanted: list[tuple[bytes, PageEntry | None]],
+        sink: Any,
+        targets: list[memoryview] | None = None,
     ) -> list[int | None]:
-        """Read and verify pages; ``sink(index, payload_view)`` consumes each one."""
+        """Read and verify pages; ``sink(index, payload_view)`` consumes each one.
+
+        With ``targets``, a page whose ``targets[index]`` can take it directly
+        (``_direct_target``) is read there and not passed to ``sink``.
+        """
         self._check_open()
         self._hold(wanted)
         try:
-            return self._read_held(wanted, sink)
+            return self._read_held(wanted, sink, targets)
         finally:
             self._unhold(wanted)
 
     def _read_held(
-        self, wanted: list[tuple[bytes, PageEntry | None]], sink: Any
+        self,
+        wanted: list[tuple[bytes, PageEntry | None]],
+        sink: Any,
+        targets: list[memoryview] | None,
     ) -> list[int | None]:
         started_ns = time.perf_counter_ns()
         results: list[int | None] = [None] * len(wanted)
         queue = self._engine.queue()
         buffers: dict[int, AlignedBuffer] = {}
+        directs: dict[int, memoryview] = {}
         error: KVStoreError | None = None
         present = [index for index, (_, entry) in enumerate(wanted) if entry is not None]
+        if targets is not None:
+            for index in present:
+                entry = wanted[index][1]
+                assert entry is not None
+                direct = self._direct_target(entry, targets[index])
+                if direct is not None:
+                    directs[index] = direct
         if len(present) == 1:
             # One page: a plain preadv (it releases the GIL) beats a ring round trip.
             index = present[0]
             key, entry = wanted[index]
             assert entry is not None
-            buffer, result = self._read_one(entry)
+            direct = directs.get(index)
+            buffer, result = self._read_one(entry, direct)
             try:
-                payload = self._verify(key, entry, buffer.view, result)
-                sink(index, payload)
+                payload = self._verify(key, entry, buffer.view, result, direct)
+                if direct is None:
+                    sink(index, payload)
                 results[index] = entry.payload_bytes
             finally:
                 self._buffers.release(buffer)
@@ -1331,7 +1402,7 @@ class KVStore:
             for index in present:
                 entry = wanted[index][1]
                 assert entry is not None
-                buffers[index] = self._submit_read(queue, entry, index)
+                buffers[index] = self._submit_read(queue, entry, index, directs.get(index))
             queue.submit()
             while queue.in_flight:
                 # Verify each page as it lands while the rest are still in flight.
@@ -1340,8 +1411,10 @@ class KVStore:
                     assert entry is not None
                     buffer = buffers.pop(index)
                     try:
-                        payload = self._verify(key, entry, buffer.view, result)
-                        sink(index, payload)
+                        direct = directs.get(index)
+                        payload = self._verify(key, entry, buffer.view, result, direct)
+                        if direct is None:
+                            sink(index, payload)
                         results[index] = entry.payload_bytes
                     except KVStoreError as e:
                         error = error or e
@@ -1373,7 +1446,7 @@ class KVStore:
 
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
-        return self._get_single(key, bytes, None)
+        return self._get_single(key, _payload_bytes, None)
 
     def _wait_for(self, queue: IOQueue, token: int) -> int:
         """The result of request ``token`` on this thread's ``get`` lane.
@@ -1399,20 +1472,31 @@ class KVStore:
         return out
 
     def get_into(self, key: Key, buffer: object) -> int | None:
-        """Read ``key`` into the caller's writable buffer; bytes written, or None."""
+        """Read ``key`` into the caller's writable buffer; bytes written, or None.
+
+        Zero-copy where the buffer allows it: 4 KiB-aligned memory (mmap, pinned
+        host memory) and a page of whole 4 KiB blocks are read straight into the
+        buffer by the device, and verified there. Otherwise the page is read into
+        an aligned pool buffer, verified, and copied. Only the page's bytes are
+        written either way. If the read fails (``IOFailure``, ``CorruptionError``)
+        the buffer's first ``payload_bytes`` are unspecified.
+        """
         self._check_open()
         target = _writable_view(buffer)
 
-        def copy(payload: memoryview) -> int:
-            target[: payload.nbytes] = payload
+        def copy(payload: memoryview, in_place: bool) -> int:
+            if not in_place:
+                target[: payload.nbytes] = payload
             return payload.nbytes
 
         return self._get_single(key, copy, target)
 
     def _get_single(
-        self, key: Key, consume: Callable[[memoryview], _T], target: memoryview | None
+        self, key: Key, consume: Callable[[memoryview, bool], _T], target: memoryview | None
     ) -> _T | None:
-        """One page, the latency path: ``consume(verified payload)``, or None when absent.
+        """One page, the latency path: ``consume(verified payload, in_place)``, or None.
+
+        ``in_place``: the payload was read straight into ``target`` (zero-copy).
 
         No batch bookkeeping: hold the segment, one read (on io_uring, polled for
         up to ``read_poll_us``; else one ``preadv``), verify, consume, and count,
@@ -1441,15 +1525,21 @@ class KVStore:
         try:
             if entry is not None:
                 assert segment is not None
-                span = entry.span_bytes
-                buffer: AlignedBuffer | None = self._buffers.acquire(span)
+                if target is not None and entry.payload_bytes > target.nbytes:
+                    raise ValueError(  # overwritten by a larger page meanwhile
+                        f"buffer of {target.nbytes} bytes is too small for page "
+                        f"{raw!r} of {entry.payload_bytes} bytes"
+                    )
+                direct = None if target is None else self._direct_target(entry, target)
+                buffer: AlignedBuffer | None
+                buffer, views = self._read_views(entry, direct)
                 try:
                     assert buffer is not None
                     view = buffer.view
                     if self._poll_ns:
                         token = next(self._read_tokens)
                         queue = self._engine.queue("get")
-                        queue.read(segment.fd, entry.offset, view[:span], token)
+                        queue.readv(segment.fd, entry.offset, views, token)
                         try:
                             done = self._wait_for(queue, token)
                         except BaseException:
@@ -1457,15 +1547,11 @@ class KVStore:
                             raise
                     else:
                         try:
-                            done = os.preadv(segment.fd, [view[:span]], entry.offset)
+                            done = os.preadv(segment.fd, views, entry.offset)
                         except OSError as e:
                             done = -(e.errno or 5)
-                    if target is not None and entry.payload_bytes > target.nbytes:
-                        raise ValueError(  # overwritten by a larger page meanwhile
-                            f"buffer of {target.nbytes} bytes is too small for page "
-                            f"{raw!r} of {entry.payload_bytes} bytes"
-                        )
-                    result = consume(self._verify(raw, entry, view, done))
+                    payload = self._verify(raw, entry, view, done, direct)
+                    result = consume(payload, direct is not None)
                 finally:
                     if buffer is not None:
                         self._buffers.release(buffer)
@@ -1495,7 +1581,8 @@ class KVStore:
 
         ``buffers[i]`` receives ``keys[i]``; returns the bytes written per key, or
         None for a miss. Every buffer is checked (writable, contiguous, large
-        enough for its page) before anything is read.
+        enough for its page) before anything is read. Zero-copy per buffer as in
+        ``get_into``.
         """
         self._check_open()
         wanted = [self._entry(key) for key in keys]
@@ -1518,7 +1605,7 @@ class KVStore:
                 )
             target[: payload.nbytes] = payload
 
-        return self._read_entries(wanted, sink)
+        return self._read_entries(wanted, sink, targets)
 
     # -- pins and retains ------------------------------------------------
 

@@ -28,6 +28,10 @@ class IOQueue(Protocol):
 
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None: ...
 
+    def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        """One read scattered over ``buffers`` in order (header block, then payload)."""
+        ...
+
     def submit(self) -> None:
         """Hand every queued request to the kernel (or the worker threads)."""
         ...

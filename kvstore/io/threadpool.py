@@ -27,6 +27,13 @@ def _pread(fd: int, buffer: memoryview, offset: int) -> int:
         return -(e.errno or 5)
 
 
+def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+    try:
+        return os.preadv(fd, buffers, offset)
+    except OSError as e:
+        return -(e.errno or 5)
+
+
 class ThreadPoolQueue:
     """A thread's view of the shared pool: its own futures, its own completions."""
 
@@ -43,6 +50,9 @@ class ThreadPoolQueue:
 
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
         self._pending[self._pool.submit(_pread, fd, buffer, offset)] = token
+
+    def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        self._pending[self._pool.submit(_preadv, fd, buffers, offset)] = token
 
     def submit(self) -> None:
         """Requests start as soon as they are queued; nothing to do."""

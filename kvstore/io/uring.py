@@ -34,7 +34,7 @@ from kvstore.errors import IOFailure
 __all__ = ["UringEngine", "UringQueue", "uring_available"]
 
 _IOVEC_CACHE_MAX = 4096
-_iovecs: dict[tuple[int, int], Any] = {}  # (address, length) -> Iovec
+_iovecs: dict[tuple[int, ...], Any] = {}  # (address, length, ...) -> Iovec
 _iovecs_lock = threading.Lock()
 
 
@@ -48,6 +48,29 @@ def _iovec(buffer: memoryview) -> Any:
     if iovec is None:
         window = (ctypes.c_char * buffer.nbytes).from_address(address)
         iovec = liburing.Iovec([memoryview(window).cast("B")])
+        with _iovecs_lock:
+            if len(_iovecs) >= _IOVEC_CACHE_MAX:
+                _iovecs.clear()
+            _iovecs[key] = iovec
+    return iovec
+
+
+def _iovec_of(buffers: list[memoryview]) -> Any:
+    """``_iovec`` for a scatter list of writable buffers (one ``readv``)."""
+    windows = []
+    key: tuple[int, ...] = ()
+    for buffer in buffers:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        key += (address, buffer.nbytes)
+        windows.append((address, buffer.nbytes))
+    iovec = _iovecs.get(key)
+    if iovec is None:
+        iovec = liburing.Iovec(
+            [
+                memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+                for address, length in windows
+            ]
+        )
         with _iovecs_lock:
             if len(_iovecs) >= _IOVEC_CACHE_MAX:
                 _iovecs.clear()
@@ -131,6 +154,17 @@ class UringQueue:
         liburing.io_uring_prep_readv(sqe, fd, iovec, offset)
         liburing.io_uring_sqe_set_data64(sqe, token)
         self._keep[token] = (iovec, buffer)
+        self._in_flight += 1
+        self._unsubmitted += 1
+
+    def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        """One read scattered over ``buffers`` (each writable), in order."""
+        self._make_room()
+        iovec = _iovec_of(buffers)
+        sqe = self._sqe()
+        liburing.io_uring_prep_readv(sqe, fd, iovec, offset)
+        liburing.io_uring_sqe_set_data64(sqe, token)
+        self._keep[token] = (iovec, buffers)
         self._in_flight += 1
         self._unsubmitted += 1
 

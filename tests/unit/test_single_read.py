@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -10,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvstore import KVStore
+from kvstore import CorruptionError, KVStore
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.names import segment_path
 from kvstore.io.uring import UringQueue
 from tests.conftest import OpenStore
 
@@ -132,3 +135,105 @@ def test_polled_get_does_not_leak_rings_or_descriptors(
     assert grown <= 2 * 5  # a ring and an eventfd for this thread and each of 4 others
     store.close()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+# -- zero-copy reads into caller memory ---------------------------------------------
+
+
+def aligned(size: int) -> memoryview:
+    """Page-aligned, writable memory (what pinned host buffers look like)."""
+    return memoryview(mmap.mmap(-1, size))
+
+
+def unaligned(size: int) -> memoryview:
+    """Writable memory 16 bytes past a page boundary: never read into directly."""
+    return memoryview(mmap.mmap(-1, size + 4096))[16 : 16 + size]
+
+
+def corrupt_payload(store: KVStore, store_path: Path, key: bytes, at: int) -> None:
+    info = store.info(key)
+    assert info is not None
+    with open(segment_path(store_path, info.segment_id), "r+b") as handle:
+        handle.seek(info.offset + BLOCK_BYTES + at)
+        original = handle.read(1)
+        handle.seek(info.offset + BLOCK_BYTES + at)
+        handle.write(bytes([original[0] ^ 0xFF]))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@pytest.mark.parametrize("read_poll_us", [0, 1000])
+def test_get_into_reads_aligned_buffers_in_place(
+    open_store: OpenStore,
+    store_path: Path,
+    engine_kind: str,
+    read_poll_us: int,
+    direct_io_supported: bool,
+) -> None:
+    """Proof that the payload went straight into the caller's memory: a corrupted
+    page is still refused, and the caller's aligned buffer then holds the damaged
+    bytes the device delivered, while an unaligned buffer (read through the pool,
+    verified, then copied) is left untouched."""
+    store = open_store(
+        io_engine=engine_kind, read_poll_us=read_poll_us, direct_io=direct_io_supported
+    )
+    good, bad = page(1, 8 * 4096), page(2, 8 * 4096)
+    store.put_many([(b"good", good), (b"bad", bad)])
+    store.flush()
+    target = aligned(16 * 4096)
+    assert store.get_into(b"good", target) == len(good)
+    assert bytes(target[: len(good)]) == good
+    assert bytes(target[len(good) :]) == bytes(8 * 4096)  # nothing past the page written
+
+    corrupt_payload(store, store_path, b"bad", 100)
+    damaged = bytearray(bad)
+    damaged[100] ^= 0xFF
+    with pytest.raises(CorruptionError, match="payload checksum mismatch"):
+        store.get_into(b"bad", target)
+    assert bytes(target[: len(bad)]) == bytes(damaged)  # read in place, then refused
+
+    elsewhere = unaligned(8 * 4096)
+    elsewhere[:] = b"\x5a" * (8 * 4096)
+    with pytest.raises(CorruptionError, match="payload checksum mismatch"):
+        store.get_into(b"bad", elsewhere)
+    assert bytes(elsewhere) == b"\x5a" * (8 * 4096)  # the copy path never copied it
+
+
+def test_get_many_into_mixes_in_place_and_copied_pages(
+    open_store: OpenStore, engine_kind: str
+) -> None:
+    store = open_store(io_engine=engine_kind)
+    sizes = [8 * 4096, 8 * 4096 + 1, 4096, 5000, 16 * 4096]
+    values = {f"k{i}".encode(): page(i, size) for i, size in enumerate(sizes)}
+    store.put_many(list(values.items()))
+    store.flush()
+    for make in (aligned, unaligned):
+        buffers = [make(16 * 4096) for _ in values]
+        for buffer in buffers:
+            buffer[:] = b"\x77" * buffer.nbytes
+        assert store.get_many_into([*values, b"absent"], [*buffers, make(4096)]) == [
+            *map(len, values.values()),
+            None,
+        ]
+        for buffer, value in zip(buffers, values.values(), strict=True):
+            assert bytes(buffer[: len(value)]) == value
+            assert bytes(buffer[len(value) :]) == b"\x77" * (buffer.nbytes - len(value))
+        # One page alone takes the single-read shortcut of the batch path.
+        one = make(16 * 4096)
+        assert store.get_many_into([b"k0"], [one]) == [sizes[0]]
+        assert bytes(one[: sizes[0]]) == values[b"k0"]
+
+
+def test_get_many_into_refuses_a_corrupt_page_read_in_place(
+    open_store: OpenStore, store_path: Path
+) -> None:
+    store = open_store()
+    values = {f"k{i}".encode(): page(i, 4 * 4096) for i in range(4)}
+    store.put_many(list(values.items()))
+    store.flush()
+    corrupt_payload(store, store_path, b"k2", 7)
+    buffers = [aligned(4 * 4096) for _ in values]
+    with pytest.raises(CorruptionError, match="k2"):
+        store.get_many_into(list(values), buffers)
+    for index in (0, 1, 3):  # the other pages of the batch still landed and verified
+        assert bytes(buffers[index]) == values[f"k{index}".encode()]
