@@ -1459,6 +1459,19 @@ class KVStore:
                 if done_token == token:
                     return result
 
+    def _settle(self, queue: IOQueue, token: int) -> bool:
+        """After an interrupted wait, let the abandoned read finish; True if it did.
+
+        Neither the pool buffer nor the caller's memory should change after the
+        call has returned. If this wait is interrupted too, the read stays
+        abandoned: its pool buffer is dropped and ``_wait_for`` skips its token.
+        """
+        try:
+            self._wait_for(queue, token)
+        except BaseException:
+            return False
+        return True
+
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
         self._check_open()
@@ -1543,7 +1556,8 @@ class KVStore:
                         try:
                             done = self._wait_for(queue, token)
                         except BaseException:
-                            buffer = None  # still the kernel's to write into: never reuse
+                            if not self._settle(queue, token):
+                                buffer = None  # still the kernel's to write into: never reuse
                             raise
                     else:
                         try:
