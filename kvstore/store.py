@@ -257,15 +257,28 @@ class _GCTally:
 class _PendingPut:
     key: bytes
     entry: PageEntry
-    buffer: AlignedBuffer
     segment: Segment
     span: int
-    started_ns: int = 0  # when put_many began: put latency is until the page is published
+
+
+@dataclasses.dataclass(slots=True)
+class _PendingWrite:
+    """One write of consecutive records of one ``put_many`` call: one buffer, one I/O."""
+
+    segment: Segment
+    offset: int  # of the first record
+    buffer: AlignedBuffer
+    started_ns: int  # when put_many began: put latency is until the page is published
+    length: int = 0
+    pages: list[_PendingPut] = dataclasses.field(default_factory=list)
 
 
 # put_many submits queued writes once this many bytes are waiting: a 1 MiB page
 # goes at once, 16 KiB pages go sixteen to a syscall.
 _SUBMIT_BYTES = 256 << 10
+# Records reserved back to back in one segment share a write of up to this many
+# bytes: small pages cost one I/O per 256 KiB instead of one each.
+_COALESCE_BYTES = 256 << 10
 
 # Throughput windows reported by stats() and the exporter (seconds).
 _THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
@@ -863,40 +876,80 @@ class KVStore:
                         self._tv[tc.DECLINED_BYTES] += view.nbytes
             prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
         queue = self._engine.queue()
-        in_flight: dict[int, _PendingPut] = {}
+        in_flight: dict[int, _PendingWrite] = {}
         error: KVStoreError | None = None
+        run: _PendingWrite | None = None  # the write being filled, not yet queued
+        tokens = itertools.count()
+        unsubmitted = 0
+
+        def queue_run() -> None:
+            """Queue the open write; reap completions to keep io_depth in flight."""
+            nonlocal run, unsubmitted, error
+            if run is None:
+                return
+            write, run = run, None
+            token = next(tokens)
+            in_flight[token] = write
+            queue.write(write.segment.fd, write.offset, write.buffer.view[: write.length], token)
+            unsubmitted += write.length
+            if unsubmitted >= _SUBMIT_BYTES:
+                # Start these writes while the next pages are prepared; small
+                # pages share one io_uring_submit (waiting submits the rest).
+                queue.submit()
+                unsubmitted = 0
+            if queue.in_flight >= self.config.io_depth:
+                error = self._complete_puts(queue, in_flight, 1) or error  # submits
+                unsubmitted = 0
 
         def drain() -> None:
             nonlocal error
+            queue_run()
             while queue.in_flight:
                 error = self._complete_puts(queue, in_flight, queue.in_flight) or error
 
-        unsubmitted = 0
         try:
-            for token, (key, view, meta) in enumerate(prepared):
+            for key, view, meta in prepared:
                 size = view.nbytes
                 span = record_span(size)
                 payload_checksum = checksum(view)
-                segment, offset, lsn = self._reserve(span, drain=drain if in_flight else None)
-                try:
-                    buffer = self._buffers.acquire(span)
-                except BaseException:
-                    with self._lock:
-                        self._finish_inflight(segment.segment_id)
-                    raise
-                entry = PageEntry(
-                    segment.segment_id,
-                    segment.generation,
-                    offset,
-                    size,
-                    payload_checksum,
-                    lsn,
-                    meta,
+                segment, offset, lsn = self._reserve(
+                    span, drain=drain if in_flight or run is not None else None
                 )
+                page = _PendingPut(
+                    key,
+                    PageEntry(
+                        segment.segment_id,
+                        segment.generation,
+                        offset,
+                        size,
+                        payload_checksum,
+                        lsn,
+                        meta,
+                    ),
+                    segment,
+                    span,
+                )
+                if run is not None and (
+                    run.segment is not segment
+                    or run.offset + run.length != offset
+                    or run.length + span > run.buffer.capacity
+                ):
+                    try:
+                        queue_run()
+                    except BaseException:
+                        self._abandon_reserved([page])
+                        raise
+                if run is None:
+                    try:
+                        buffer = self._buffers.acquire(max(span, _COALESCE_BYTES))
+                    except BaseException:
+                        self._abandon_reserved([page])
+                        raise
+                    run = _PendingWrite(segment, offset, buffer, started_ns)
                 # Registered before anything else can raise: the cleanup below
                 # releases the reservation of a page that was never submitted.
-                in_flight[token] = _PendingPut(key, entry, buffer, segment, span, started_ns)
-                block = buffer.view
+                run.pages.append(page)
+                block = run.buffer.view[run.length :]
                 encode_record_fields_into(
                     block,
                     RECORD_PAGE,
@@ -911,68 +964,72 @@ class KVStore:
                 )
                 block[BLOCK_BYTES : BLOCK_BYTES + size] = view
                 block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
-                queue.write(segment.fd, offset, block[:span], token)
-                unsubmitted += span
-                if unsubmitted >= _SUBMIT_BYTES:
-                    # Start these writes while the next pages are prepared; small
-                    # pages share one io_uring_submit (waiting submits the rest).
-                    queue.submit()
-                    unsubmitted = 0
-                if queue.in_flight >= self.config.io_depth:
-                    error = self._complete_puts(queue, in_flight, 1) or error  # submits
-                    unsubmitted = 0
-                    if error is not None:
-                        break
+                run.length += span
+                if run.length >= _COALESCE_BYTES:
+                    queue_run()
+                if error is not None:
+                    break
+            if error is None:
+                queue_run()
         finally:
             while queue.in_flight:
                 error = self._complete_puts(queue, in_flight, queue.in_flight) or error
-            if in_flight:  # reserved but never submitted (an exception above)
-                with self._lock:
-                    for pending in in_flight.values():
-                        self._finish_inflight(pending.segment.segment_id)
-                for pending in in_flight.values():
-                    self._buffers.release(pending.buffer)
+            # Reserved but never submitted (an exception above): the open write,
+            # and any write the queue refused.
+            unsent = list(in_flight.values()) + ([run] if run is not None else [])
+            for write in unsent:
+                self._abandon_reserved(write.pages)
+                self._buffers.release(write.buffer)
         if error is not None:
             raise error
         if sync and prepared:
             self.flush()
         return [True] * len(prepared) if admitted is None else admitted
 
+    def _abandon_reserved(self, pages: list[_PendingPut]) -> None:
+        """Release the reservations of pages that were never written."""
+        with self._lock:
+            for page in pages:
+                self._finish_inflight(page.segment.segment_id)
+
     def _complete_puts(
-        self, queue: IOQueue, in_flight: dict[int, _PendingPut], wanted: int
+        self, queue: IOQueue, in_flight: dict[int, _PendingWrite], wanted: int
     ) -> KVStoreError | None:
-        """Reap write completions and publish the pages that were written whole."""
+        """Reap write completions and publish the pages of writes that completed whole."""
         completions = queue.wait(wanted)
         error: KVStoreError | None = None
         records: list[bytes | None] = []
         published: list[_PendingPut] = []
+        writes: list[_PendingWrite] = []
         for token, result in completions:
-            pending = in_flight.pop(token)
-            if result != pending.span:
+            write = in_flight.pop(token)
+            writes.append(write)
+            if result != write.length:
                 errno = -result if result < 0 else None
                 error = self._fail(
                     WriterFailedError(
-                        f"write of {pending.span} bytes to segment {pending.segment.segment_id} "
-                        f"at offset {pending.entry.offset} returned {result}",
+                        f"write of {write.length} bytes to segment {write.segment.segment_id} "
+                        f"at offset {write.offset} returned {result}",
                         errno,
                     )
                 )
-                records.append(None)
+                records.extend([None] * len(write.pages))
             else:
-                entry = pending.entry
-                records.append(
-                    encode_put_fields(
-                        entry.lsn,
-                        pending.key,
-                        entry.segment_id,
-                        entry.generation,
-                        entry.offset,
-                        entry.payload_bytes,
-                        entry.payload_checksum,
-                        entry.meta,
+                for pending in write.pages:
+                    entry = pending.entry
+                    records.append(
+                        encode_put_fields(
+                            entry.lsn,
+                            pending.key,
+                            entry.segment_id,
+                            entry.generation,
+                            entry.offset,
+                            entry.payload_bytes,
+                            entry.payload_checksum,
+                            entry.meta,
+                        )
                     )
-                )
-            published.append(pending)
+            published.extend(write.pages)
         done_ns = time.perf_counter_ns()
         tv = self._tv
         table, states, on_put = self._table, self._segment_states, self._policy.on_put
@@ -994,7 +1051,7 @@ class KVStore:
                 spans += pending.span
             if puts:
                 # Every page of one put_many call started together: one latency each.
-                started_ns = published[0].started_ns
+                started_ns = writes[0].started_ns
                 self._counters["puts"] += puts
                 self._counters["host_bytes_written"] += host
                 self._counters["segment_bytes_written"] += spans
@@ -1002,8 +1059,8 @@ class KVStore:
                 tv[tc.HOST] += host
                 tv[tc.RECORD_OVERHEAD] += spans - host
                 tc.observe_many(tv, tc.OP_PUT, done_ns - started_ns, puts)
-        for pending in published:
-            self._buffers.release(pending.buffer)
+        for write in writes:
+            self._buffers.release(write.buffer)
         return error
 
     def delete(self, key: Key) -> bool:

@@ -72,6 +72,7 @@ def test_interrupted_polled_get_leaves_the_next_reads_correct(
             raise KeyboardInterrupt
         return real_wait(self, *args, **kwargs)
 
+    assert store.get(b"a") == page(1)  # the pool now holds a buffer of this size
     monkeypatch.setattr(UringQueue, "wait", interrupted_once)
     for interrupts in (1, 2):  # the settling wait succeeds; then it is interrupted too
         calls = 0
@@ -139,7 +140,9 @@ def test_polled_get_does_not_leak_rings_or_descriptors(
     for thread in threads:
         thread.join()
     grown = len(os.listdir("/proc/self/fd")) - before
-    assert grown <= 2 * 5  # a ring and an eventfd for this thread and each of 4 others
+    # A ring and an eventfd for this thread and each of 4 others (the store's
+    # background threads may hold a file or two open at any moment).
+    assert grown <= 2 * 5 + 4
     store.close()
     assert len(os.listdir("/proc/self/fd")) <= before
 
