@@ -51,6 +51,16 @@ from kvstore.gpu.transfer import Transfer
 __all__ = ["StagedBackend", "StagingRing"]
 
 
+_PAGE = 4096
+
+
+def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` starting on a 4 KiB boundary."""
+    backing = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin)
+    start = -backing.data_ptr() % _PAGE
+    return backing[start : start + nbytes]
+
+
 class StagingRing:
     """A fixed ring of ``slots`` host buffers of ``slot_bytes`` each, pinned when ``pin``."""
 
@@ -60,9 +70,9 @@ class StagingRing:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.pinned = pin
-        self.buffers = [
-            torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)
-        ]
+        # Page-aligned slots: the store then reads pages straight into them (its
+        # zero-copy get_into) whether or not they are pinned.
+        self.buffers = [_aligned_empty(slot_bytes, pin) for _ in range(slots)]
         # numpy views share the memory: the store reads and writes through the buffer protocol.
         self.arrays = [buffer.numpy() for buffer in self.buffers]
         # A pinned int64 per slot receives the device checksum of a save.

@@ -255,3 +255,15 @@ def test_device_checksum_is_position_sensitive_and_stored(kv: KVStore) -> None:
 def test_import_kvstore_does_not_import_torch() -> None:
     code = "import kvstore, sys; assert 'torch' not in sys.modules and 'kvikio' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_staging_slots_are_page_aligned_for_zero_copy_loads() -> None:
+    """The store reads a page straight into a slot only when the slot starts on a
+    4 KiB boundary; torch's own CPU allocations need not."""
+    from kvstore.gpu.pinned import StagingRing
+
+    ring = StagingRing(4, 64 * KIB + 3, pin=False)
+    for buffer, array in zip(ring.buffers, ring.arrays, strict=True):
+        assert buffer.data_ptr() % 4096 == 0
+        assert array.ctypes.data == buffer.data_ptr()
+        assert buffer.numel() == array.nbytes == 64 * KIB + 3
