@@ -375,15 +375,7 @@ def _plausible_body(scan: _Scan, lsn: int, body: WalBody) -> bool:
         return False
     if isinstance(body, PutBody | MoveBody):
         put = body.put if isinstance(body, MoveBody) else body
-        entry = PageEntry(
-            put.segment_id,
-            put.generation,
-            put.offset,
-            put.payload_bytes,
-            put.payload_checksum,
-            lsn,
-            put.meta,
-        )
+        entry = put.entry(lsn)
         return _plausible(scan, put.key, entry)
     if isinstance(body, SegmentOpenBody | SegmentFreeBody):
         return body.segment_id < SEQUENCE_LIMIT and body.generation < SEQUENCE_LIMIT
@@ -567,15 +559,7 @@ def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, bod
     states = scan.states
     if isinstance(body, PutBody | MoveBody):
         put = body.put if isinstance(body, MoveBody) else body
-        entry = PageEntry(
-            put.segment_id,
-            put.generation,
-            put.offset,
-            put.payload_bytes,
-            put.payload_checksum,
-            lsn,
-            put.meta,
-        )
+        entry = put.entry(lsn)
         scan.saw_lsn(put.generation)
         now = current(put.key)
         if isinstance(body, MoveBody):

@@ -212,6 +212,14 @@ def _writable_view(buffer: object) -> memoryview:
     return target.cast("B") if target.format != "B" or target.ndim != 1 else target
 
 
+def _check_fits(target: memoryview, key: bytes, payload_bytes: int) -> None:
+    if payload_bytes > target.nbytes:
+        raise ValueError(
+            f"buffer of {target.nbytes} bytes is too small for page {key!r} "
+            f"of {payload_bytes} bytes"
+        )
+
+
 def _payload_bytes(payload: memoryview, _in_place: bool) -> bytes:
     return bytes(payload)
 
@@ -1235,13 +1243,8 @@ class KVStore:
         segment = self._segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        if direct is not None:  # header block into the pool, payload into the caller's memory
-            buffer = self._buffers.acquire(BLOCK_BYTES)
-            queue.readv(segment.fd, entry.offset, [buffer.view[:BLOCK_BYTES], direct], token)
-            return buffer
-        span = entry.span_bytes
-        buffer = self._buffers.acquire(span)
-        queue.read(segment.fd, entry.offset, buffer.view[:span], token)
+        buffer, views = self._read_views(entry, direct)
+        queue.readv(segment.fd, entry.offset, views, token)
         return buffer
 
     def _read_one(self, entry: PageEntry, direct: memoryview | None) -> tuple[AlignedBuffer, int]:
@@ -1307,6 +1310,7 @@ class KVStore:
         # Fast path: the header must be byte for byte what the writer sealed for
         # this entry. Anything else is decoded field by field for a precise error.
         expected = record_header_prefix(
+            RECORD_PAGE,
             key,
             entry.meta,
             entry.payload_bytes,
@@ -1576,11 +1580,8 @@ class KVStore:
         started_ns = time.perf_counter_ns()
         raw, entry = self._entry(key)
         if entry is not None:
-            if target is not None and entry.payload_bytes > target.nbytes:
-                raise ValueError(
-                    f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
-                    f"of {entry.payload_bytes} bytes"
-                )
+            if target is not None:
+                _check_fits(target, raw, entry.payload_bytes)
             with self._lock:
                 segment = self._segments.get(entry.segment_id)
                 if segment is not None:
@@ -1595,11 +1596,8 @@ class KVStore:
         try:
             if entry is not None:
                 assert segment is not None
-                if target is not None and entry.payload_bytes > target.nbytes:
-                    raise ValueError(  # overwritten by a larger page meanwhile
-                        f"buffer of {target.nbytes} bytes is too small for page "
-                        f"{raw!r} of {entry.payload_bytes} bytes"
-                    )
+                if target is not None:  # the hold may have found a newer, larger page
+                    _check_fits(target, raw, entry.payload_bytes)
                 direct = None if target is None else self._direct_target(entry, target)
                 buffer: AlignedBuffer | None
                 buffer, views = self._read_views(entry, direct)
@@ -1661,19 +1659,12 @@ class KVStore:
         if len(targets) != len(wanted):
             raise ValueError(f"{len(wanted)} keys but {len(targets)} buffers")
         for (raw, entry), target in zip(wanted, targets, strict=True):
-            if entry is not None and entry.payload_bytes > target.nbytes:
-                raise ValueError(
-                    f"buffer of {target.nbytes} bytes is too small for page {raw!r} "
-                    f"of {entry.payload_bytes} bytes"
-                )
+            if entry is not None:
+                _check_fits(target, raw, entry.payload_bytes)
 
         def sink(index: int, payload: memoryview) -> None:
             target = targets[index]
-            if payload.nbytes > target.nbytes:  # overwritten by a larger page meanwhile
-                raise ValueError(
-                    f"buffer of {target.nbytes} bytes is too small for page "
-                    f"{wanted[index][0]!r} of {payload.nbytes} bytes"
-                )
+            _check_fits(target, wanted[index][0], payload.nbytes)  # overwritten meanwhile?
             target[: payload.nbytes] = payload
 
         return self._read_entries(wanted, sink, targets)
@@ -2456,18 +2447,8 @@ class KVStore:
         ``telemetry_flush_interval_s`` when they changed."""
         interval = self.config.telemetry_flush_interval_s
         while not self._stop.wait(min(1.0, interval)):
-            tv = self._tv
             with self._lock:
-                self._samples.append(
-                    (
-                        time.monotonic(),
-                        tv[tc.HOST],
-                        tc.store_bytes(tv),
-                        tv[tc.READ_BYTES],
-                        tv[tc.PUTS],
-                        tv[tc.GETS],
-                    )
-                )
+                self._samples.append(self._throughput_sample())
             if time.monotonic() - self._telemetry_last_save >= interval:
                 self._persist_telemetry()
 
@@ -2508,19 +2489,23 @@ class KVStore:
             with self._lock:
                 self._tv[tc.TELEMETRY] += after - before
 
+    def _throughput_sample(self) -> tuple[float, int, int, int, int, int]:
+        """(time, host bytes, store bytes, bytes read, puts, gets). Caller holds ``_lock``."""
+        tv = self._tv
+        return (
+            time.monotonic(),
+            tv[tc.HOST],
+            tc.store_bytes(tv),
+            tv[tc.READ_BYTES],
+            tv[tc.PUTS],
+            tv[tc.GETS],
+        )
+
     def _throughput(self) -> dict[str, dict[str, float]]:
         """Rates over the recent windows, from the telemetry thread's 1 s samples."""
         with self._lock:
             samples = list(self._samples)
-            tv = self._tv
-            now = (
-                time.monotonic(),
-                tv[tc.HOST],
-                tc.store_bytes(tv),
-                tv[tc.READ_BYTES],
-                tv[tc.PUTS],
-                tv[tc.GETS],
-            )
+            now = self._throughput_sample()
         rates: dict[str, dict[str, float]] = {}
         for name, window in _THROUGHPUT_WINDOWS_S.items():
             older = [sample for sample in samples if now[0] - sample[0] <= window]

@@ -58,13 +58,13 @@ RECORD_FIXED_BYTES = _RECORD_HEADER.size  # 64; key then meta follow
 
 
 def _seal(block: bytearray | memoryview) -> None:
-    struct.pack_into("<Q", block, _CHECKSUM_AT, checksum(block[:_CHECKSUM_AT]))
+    _SEAL.pack_into(block, _CHECKSUM_AT, checksum(block[:_CHECKSUM_AT]))
 
 
 def _verify(block: BytesLike, what: str) -> None:
     if len(block) < BLOCK_BYTES:
         raise CorruptionError(f"{what}: block is {len(block)} bytes, expected {BLOCK_BYTES}")
-    (stored,) = struct.unpack_from("<Q", block, _CHECKSUM_AT)
+    (stored,) = _SEAL.unpack_from(block, _CHECKSUM_AT)
     actual = checksum(memoryview(block)[:_CHECKSUM_AT])
     if stored != actual:
         raise CorruptionError(f"{what}: checksum mismatch (stored {stored:#x}, actual {actual:#x})")
@@ -229,15 +229,10 @@ def encode_record_fields_into(
         raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {key_len}")
     if meta_len > MAX_META_BYTES:
         raise ValueError(f"meta must be at most {MAX_META_BYTES} bytes encoded, got {meta_len}")
-    _RECORD_HEADER.pack_into(
-        block,
-        0,
-        RECORD_MAGIC,
-        FORMAT_VERSION,
+    prefix = record_header_prefix(
         record_type,
-        0,
-        key_len,
-        meta_len,
+        key,
+        meta,
         payload_bytes,
         lsn,
         segment_id,
@@ -245,16 +240,14 @@ def encode_record_fields_into(
         generation,
         payload_checksum,
     )
-    start = RECORD_FIXED_BYTES
-    block[start : start + key_len] = key
-    start += key_len
-    block[start : start + meta_len] = meta
-    start += meta_len
-    block[start:_CHECKSUM_AT] = _ZERO_BLOCK[start:_CHECKSUM_AT]
+    end = len(prefix)
+    block[:end] = prefix
+    block[end:_CHECKSUM_AT] = _ZERO_BLOCK[end:_CHECKSUM_AT]
     _seal(block[:BLOCK_BYTES])
 
 
 def record_header_prefix(
+    record_type: int,
     key: bytes,
     meta: bytes,
     payload_bytes: int,
@@ -264,16 +257,17 @@ def record_header_prefix(
     generation: int,
     payload_checksum: int,
 ) -> bytes:
-    """The bytes a page record's header block starts with: fixed fields, key, meta.
+    """The bytes a record's header block starts with: fixed fields, key, meta.
 
-    A reader that knows what it expects (from the page table) compares these
-    and checks the block's seal instead of decoding the header field by field.
+    The encoder writes exactly these; a reader that knows what it expects (from
+    the page table) compares them and checks the block's seal instead of
+    decoding the header field by field.
     """
     return (
         _RECORD_HEADER.pack(
             RECORD_MAGIC,
             FORMAT_VERSION,
-            RECORD_PAGE,
+            record_type,
             0,
             len(key),
             len(meta),

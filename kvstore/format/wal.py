@@ -33,6 +33,7 @@ from kvstore.format.constants import (
     WAL_SEGMENT_FREE,
     WAL_SEGMENT_OPEN,
 )
+from kvstore.format.entries import PageEntry
 
 __all__ = [
     "WAL_FILE_HEADER_BYTES",
@@ -120,6 +121,18 @@ class PutBody:
     payload_bytes: int
     payload_checksum: int
     meta: bytes
+
+    def entry(self, lsn: int) -> PageEntry:
+        """The page-table entry this record sets; ``lsn`` is the record's."""
+        return PageEntry(
+            self.segment_id,
+            self.generation,
+            self.offset,
+            self.payload_bytes,
+            self.payload_checksum,
+            lsn,
+            self.meta,
+        )
 
 
 @dataclass(frozen=True, slots=True)

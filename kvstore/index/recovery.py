@@ -220,15 +220,7 @@ def _check_body(record: WalRecord, body: WalBody, limits: EntryLimits) -> None:
     what = f"WAL record at lsn {record.lsn}"
     if isinstance(body, PutBody | MoveBody):
         put = body.put if isinstance(body, MoveBody) else body
-        entry = PageEntry(
-            put.segment_id,
-            put.generation,
-            put.offset,
-            put.payload_bytes,
-            put.payload_checksum,
-            record.lsn,
-            put.meta,
-        )
+        entry = put.entry(record.lsn)
         try:
             validate_page_entry(put.key, entry, limits)
         except CorruptionError as e:
@@ -256,27 +248,11 @@ def _replay(
             recovered.max_lsn_seen = max(recovered.max_lsn_seen, record.lsn)
             recovered.replayed_records += 1
             if isinstance(body, PutBody):
-                entry = PageEntry(
-                    body.segment_id,
-                    body.generation,
-                    body.offset,
-                    body.payload_bytes,
-                    body.payload_checksum,
-                    record.lsn,
-                    body.meta,
-                )
+                entry = body.entry(record.lsn)
                 apply_put(table, segments, body.key, entry)
             elif isinstance(body, MoveBody):
                 put = body.put
-                entry = PageEntry(
-                    put.segment_id,
-                    put.generation,
-                    put.offset,
-                    put.payload_bytes,
-                    put.payload_checksum,
-                    record.lsn,
-                    put.meta,
-                )
+                entry = put.entry(record.lsn)
                 old = (body.old_segment_id, body.old_generation, body.old_offset)
                 apply_move(table, segments, put.key, entry, old)
             elif isinstance(body, DeleteBody):

@@ -34,35 +34,20 @@ from kvstore.errors import IOFailure
 __all__ = ["UringEngine", "UringQueue", "uring_available"]
 
 _IOVEC_CACHE_MAX = 4096
-_iovecs: dict[tuple[int, ...], Any] = {}  # (address, length, ...) -> Iovec
+_iovecs: dict[tuple[tuple[int, int], ...], Any] = {}  # ((address, length), ...) -> Iovec
 _iovecs_lock = threading.Lock()
 
 
-def _iovec(buffer: memoryview) -> Any:
-    """An ``Iovec`` over ``buffer`` that does not pin it (see the module docstring)."""
-    if buffer.readonly:
-        return liburing.Iovec([buffer])
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    key = (address, buffer.nbytes)
-    iovec = _iovecs.get(key)
-    if iovec is None:
-        window = (ctypes.c_char * buffer.nbytes).from_address(address)
-        iovec = liburing.Iovec([memoryview(window).cast("B")])
-        with _iovecs_lock:
-            if len(_iovecs) >= _IOVEC_CACHE_MAX:
-                _iovecs.clear()
-            _iovecs[key] = iovec
-    return iovec
-
-
-def _iovec_of(buffers: list[memoryview]) -> Any:
-    """``_iovec`` for a scatter list of writable buffers (one ``readv``)."""
-    windows = []
-    key: tuple[int, ...] = ()
-    for buffer in buffers:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        key += (address, buffer.nbytes)
-        windows.append((address, buffer.nbytes))
+def _iovec(buffers: list[memoryview]) -> Any:
+    """An ``Iovec`` over ``buffers`` (in order) that does not pin them (see the
+    module docstring). Read-only buffers (writes from ``bytes``) are handed over
+    as they are."""
+    if any(buffer.readonly for buffer in buffers):
+        return liburing.Iovec(buffers)
+    windows = [
+        (ctypes.addressof(ctypes.c_char.from_buffer(buffer)), buffer.nbytes) for buffer in buffers
+    ]
+    key = tuple(windows)
     iovec = _iovecs.get(key)
     if iovec is None:
         iovec = liburing.Iovec(
@@ -138,31 +123,22 @@ class UringQueue:
             self._ready.extend(self._drain(block=True))
 
     def write(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
-        self._make_room()
-        iovec = _iovec(buffer)
-        sqe = self._sqe()
-        liburing.io_uring_prep_writev(sqe, fd, iovec, offset)
-        liburing.io_uring_sqe_set_data64(sqe, token)
-        self._keep[token] = (iovec, buffer)
-        self._in_flight += 1
-        self._unsubmitted += 1
+        self._queue(liburing.io_uring_prep_writev, fd, offset, [buffer], token)
 
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
-        self._make_room()
-        iovec = _iovec(buffer)
-        sqe = self._sqe()
-        liburing.io_uring_prep_readv(sqe, fd, iovec, offset)
-        liburing.io_uring_sqe_set_data64(sqe, token)
-        self._keep[token] = (iovec, buffer)
-        self._in_flight += 1
-        self._unsubmitted += 1
+        self._queue(liburing.io_uring_prep_readv, fd, offset, [buffer], token)
 
     def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
         """One read scattered over ``buffers`` (each writable), in order."""
+        self._queue(liburing.io_uring_prep_readv, fd, offset, buffers, token)
+
+    def _queue(
+        self, prep: Any, fd: int, offset: int, buffers: list[memoryview], token: int
+    ) -> None:
         self._make_room()
-        iovec = _iovec_of(buffers)
+        iovec = _iovec(buffers)
         sqe = self._sqe()
-        liburing.io_uring_prep_readv(sqe, fd, iovec, offset)
+        prep(sqe, fd, iovec, offset)
         liburing.io_uring_sqe_set_data64(sqe, token)
         self._keep[token] = (iovec, buffers)
         self._in_flight += 1

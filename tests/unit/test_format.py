@@ -257,6 +257,7 @@ def test_record_header_prefix_is_what_the_encoder_writes(meta: bytes) -> None:
     header = make_record_header(meta=meta)
     block = encode_record_header(header)
     prefix = record_header_prefix(
+        header.record_type,
         header.key,
         header.meta,
         header.payload_bytes,
@@ -270,7 +271,7 @@ def test_record_header_prefix_is_what_the_encoder_writes(meta: bytes) -> None:
     assert block.startswith(prefix)
     assert block_is_sealed(memoryview(block))
     other = record_header_prefix(
-        header.key, meta, header.payload_bytes, header.lsn + 1, 3, 8192, 41, 0
+        RECORD_PAGE, header.key, meta, header.payload_bytes, header.lsn + 1, 3, 8192, 41, 0
     )
     assert not block.startswith(other)
 
