@@ -26,7 +26,11 @@ class StoreConfig:
     flush_interval_ms: float = 20.0
     checkpoint_wal_bytes: int = 64 * MIB
     checkpoint_interval_s: float = 60.0
-    io_engine: str = "auto"  # "auto" | "io_uring" | "threadpool"
+    # "auto" | "io_uring" | "threadpool"; $KVSTORE_IO_ENGINE overrides "auto".
+    io_engine: str = "auto"
+    # Which io_uring binding: "auto" (the importable liburing), "liburing-2024" or
+    # "liburing-2026"; $KVSTORE_URING_BINDING overrides "auto". See docs/design.md.
+    uring_binding: str = "auto"
     direct_io: bool | None = None  # None: O_DIRECT where the file system allows it
     io_depth: int = 64
     # A single-page get/get_into on io_uring polls its completion for up to this long

@@ -74,6 +74,8 @@ class StoreStats:
     declined_puts: int = 0
     telemetry: Mapping[str, int] = field(default_factory=dict)
     throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # Which engine runs and why (the binding and version, or the fallback's reason).
+    io_engine_reason: str = ""
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field."""

@@ -11,9 +11,10 @@ The caller keeps each buffer alive until its completion has been returned.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
-__all__ = ["IOEngine", "IOQueue", "make_engine"]
+__all__ = ["ENGINE_KINDS", "IOEngine", "IOQueue", "make_engine", "resolve_choice"]
 
 
 class IOQueue(Protocol):
@@ -48,6 +49,7 @@ class IOQueue(Protocol):
 class IOEngine(Protocol):
     name: str
     depth: int
+    why: str  # which engine runs and why, in words (stats, `kvstore stat`, the demo)
 
     def queue(self, lane: str = "main") -> IOQueue:
         """This thread's queue for ``lane`` (created on first use).
@@ -60,20 +62,69 @@ class IOEngine(Protocol):
     def close(self) -> None: ...
 
 
-def make_engine(kind: str = "auto", depth: int = 64) -> IOEngine:
-    """``"io_uring"``, ``"threadpool"``, or ``"auto"``: io_uring unless it is refused."""
-    from kvstore.io.threadpool import ThreadPoolEngine
-    from kvstore.io.uring import UringEngine, uring_available
+ENGINE_KINDS = ("auto", "io_uring", "threadpool")
+ENGINE_ENV = "KVSTORE_IO_ENGINE"
+BINDING_ENV = "KVSTORE_URING_BINDING"
 
-    if kind == "threadpool":
-        return ThreadPoolEngine(depth)
-    if kind == "io_uring":
-        return UringEngine(depth)
-    if kind != "auto":
+
+def check_engine_kind(kind: object) -> str:
+    if kind not in ENGINE_KINDS:
         raise ValueError(f"io_engine must be 'auto', 'io_uring' or 'threadpool', got {kind!r}")
-    if uring_available():
-        return UringEngine(depth)
-    return ThreadPoolEngine(depth)
+    return str(kind)
+
+
+def resolve_choice(kind: str = "auto", binding: str = "auto") -> tuple[str, str, str]:
+    """``(kind, binding, source)`` after the environment overrides.
+
+    ``KVSTORE_IO_ENGINE`` replaces ``"auto"`` (an operator or CI forcing one
+    engine for every store a process opens); ``KVSTORE_URING_BINDING``
+    replaces a binding of ``"auto"``. An explicit config value wins.
+    """
+    from kvstore.io.bindings import BINDING_NAMES
+
+    check_engine_kind(kind)
+    source = "config"
+    if kind == "auto":
+        forced = os.environ.get(ENGINE_ENV, "").strip()
+        if forced:
+            if forced not in ENGINE_KINDS:
+                raise ValueError(
+                    f"{ENGINE_ENV} must be 'auto', 'io_uring' or 'threadpool', got {forced!r}"
+                )
+            kind, source = forced, ENGINE_ENV
+    if binding == "auto":
+        binding = os.environ.get(BINDING_ENV, "").strip() or "auto"
+    if binding != "auto" and binding not in BINDING_NAMES:
+        raise ValueError(f"uring_binding must be 'auto' or one of {BINDING_NAMES}, got {binding!r}")
+    return kind, binding, source
+
+
+def make_engine(kind: str = "auto", depth: int = 64, binding: str = "auto") -> IOEngine:
+    """``"io_uring"``, ``"threadpool"``, or ``"auto"``: io_uring unless it is refused.
+
+    io_uring is used only after ``kvstore.io.probe`` has run the binding in a
+    child process: a binding that dies (SIGILL on a CPU it was not built for),
+    hangs or raises can never take this process down. ``"auto"`` then falls
+    back to the thread pool with the reason in ``engine.why``; an explicit
+    ``"io_uring"`` raises ``IOFailure`` with it.
+    """
+    from kvstore.errors import IOFailure
+    from kvstore.io.bindings import load_binding
+    from kvstore.io.probe import probe_uring
+    from kvstore.io.threadpool import ThreadPoolEngine
+    from kvstore.io.uring import UringEngine
+
+    kind, binding, source = resolve_choice(kind, binding)
+    if kind == "threadpool":
+        how = "set by KVSTORE_IO_ENGINE" if source == ENGINE_ENV else "asked for"
+        return ThreadPoolEngine(depth, why=f"thread pool ({how})")
+    verdict = probe_uring(binding)
+    if verdict.ok:
+        loaded = load_binding(binding)
+        return UringEngine(depth, loaded, why=f"io_uring via {loaded.name} {loaded.version}")
+    if kind == "io_uring":
+        raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
+    return ThreadPoolEngine(depth, why=f"thread pool: io_uring unusable ({verdict.reason})")
 
 
 def run_all(queue: IOQueue, requests: list[tuple[str, int, int, memoryview]]) -> list[int]:

@@ -73,8 +73,9 @@ class ThreadPoolQueue:
 class ThreadPoolEngine:
     name = "threadpool"
 
-    def __init__(self, depth: int = 64) -> None:
+    def __init__(self, depth: int = 64, why: str = "thread pool") -> None:
         self.depth = depth
+        self.why = why
         self._pool = ThreadPoolExecutor(max_workers=min(depth, 32), thread_name_prefix="kvio")
         self._local = threading.local()
 

@@ -1,101 +1,53 @@
-"""io_uring through the PyPI ``liburing`` binding, without ever blocking in it.
+"""io_uring through a PyPI ``liburing`` binding, without ever blocking in it.
 
-The binding holds the GIL inside ``io_uring_wait_cqe`` / ``submit_and_wait``,
+The bindings may hold the GIL inside ``io_uring_wait_cqe`` / ``submit_and_wait``,
 which would freeze every other Python thread for the length of the I/O. So we
 never call them: an eventfd is registered with the ring, the waiter blocks in
 ``os.read(eventfd)`` (which releases the GIL), then drains the completion queue
-without blocking (``CqeIter`` + ``io_uring_cq_advance``).
+without blocking.
 
-Aligned memory only reaches the kernel through ``Iovec([memoryview(buf)])``
-with ``io_uring_prep_readv/_writev`` (``prep_write`` copies into an unaligned
-buffer). The ``Iovec`` and the buffer stay referenced in ``_keep`` until their
-completion has been reaped.
-
-The binding's ``Iovec`` takes a buffer export of each item and never releases
-it: an item handed to it stays alive (and its mmap mapped) for the life of the
-process, about 190 bytes and one mapping per I/O. So ``_iovec`` hands it a
-ctypes array over the same memory instead, one per (address, length), and
-caches the ``Iovec``: buffers can be unmapped, and only those small arrays stay
-pinned (pool buffers reuse their addresses).
+Aligned memory reaches the kernel through the binding's iovec with
+``io_uring_prep_readv/_writev``. The iovec and the buffer stay referenced in
+``_keep`` until their completion has been reaped. What differs between the two
+bindings (``liburing`` 2024.x and 2026.x) lives in ``kvstore.io.bindings``;
+whether a binding may run here at all is decided by ``kvstore.io.probe``, in a
+child process, before a ring is made in this one.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
 from typing import Any
 
-import liburing
-
 from kvstore.errors import IOFailure
+from kvstore.io.bindings import Binding, load_binding
+from kvstore.io.probe import probe_uring
 
 __all__ = ["UringEngine", "UringQueue", "uring_available"]
 
-_IOVEC_CACHE_MAX = 4096
-_iovecs: dict[tuple[tuple[int, int], ...], Any] = {}  # ((address, length), ...) -> Iovec
-_iovecs_lock = threading.Lock()
 
-
-def _iovec(buffers: list[memoryview]) -> Any:
-    """An ``Iovec`` over ``buffers`` (in order) that does not pin them (see the
-    module docstring). Read-only buffers (writes from ``bytes``) are handed over
-    as they are."""
-    if any(buffer.readonly for buffer in buffers):
-        return liburing.Iovec(buffers)
-    windows = [
-        (ctypes.addressof(ctypes.c_char.from_buffer(buffer)), buffer.nbytes) for buffer in buffers
-    ]
-    key = tuple(windows)
-    iovec = _iovecs.get(key)
-    if iovec is None:
-        iovec = liburing.Iovec(
-            [
-                memoryview((ctypes.c_char * length).from_address(address)).cast("B")
-                for address, length in windows
-            ]
-        )
-        with _iovecs_lock:
-            if len(_iovecs) >= _IOVEC_CACHE_MAX:
-                _iovecs.clear()
-            _iovecs[key] = iovec
-    return iovec
-
-
-def uring_available() -> bool:
-    """True if this process may create an io_uring and run a NOP through it."""
-    try:
-        queue = UringQueue(2)
-    except (OSError, IOFailure):
-        return False
-    try:
-        queue.nop(0)
-        return queue.wait(1) == [(0, 0)]
-    except (OSError, IOFailure):
-        return False
-    finally:
-        queue.close()
+def uring_available(binding: str = "auto") -> bool:
+    """True if io_uring through ``binding`` runs here (probed in a child process)."""
+    return probe_uring(binding).ok
 
 
 class UringQueue:
     """One ring and its eventfd, used by one thread."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, binding: Binding) -> None:
         self.entries = entries
-        self.ring = liburing.Ring()
-        try:
-            liburing.io_uring_queue_init(entries, self.ring)
-        except OSError as e:
-            raise IOFailure("io_uring_queue_init refused", e.errno) from e
+        self._binding = binding
+        self.ring = binding.new_ring(entries)
         self._eventfd = os.eventfd(0, os.EFD_CLOEXEC)
         try:
-            liburing.io_uring_register_eventfd(self.ring, self._eventfd)
-        except OSError as e:
+            binding.register_eventfd(self.ring, self._eventfd)
+        except BaseException:
             os.close(self._eventfd)
-            liburing.io_uring_queue_exit(self.ring)
-            raise IOFailure("io_uring_register_eventfd refused", e.errno) from e
-        self._cqe = liburing.Cqe()
+            binding.exit_ring(self.ring)
+            raise
+        self._cqe = binding.new_cqe()
         self._keep: dict[int, Any] = {}
         self._in_flight = 0
         self._unsubmitted = 0
@@ -107,10 +59,10 @@ class UringQueue:
         return self._in_flight
 
     def _sqe(self) -> Any:
-        sqe = liburing.io_uring_get_sqe(self.ring)
+        sqe = self._binding.get_sqe(self.ring)
         if sqe is None:
             self.submit()
-            sqe = liburing.io_uring_get_sqe(self.ring)
+            sqe = self._binding.get_sqe(self.ring)
             if sqe is None:
                 raise IOFailure("io_uring submission queue is full")
         return sqe
@@ -123,23 +75,23 @@ class UringQueue:
             self._ready.extend(self._drain(block=True))
 
     def write(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
-        self._queue(liburing.io_uring_prep_writev, fd, offset, [buffer], token)
+        self._queue(self._binding.prep_writev, fd, offset, [buffer], token)
 
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
-        self._queue(liburing.io_uring_prep_readv, fd, offset, [buffer], token)
+        self._queue(self._binding.prep_readv, fd, offset, [buffer], token)
 
     def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
         """One read scattered over ``buffers`` (each writable), in order."""
-        self._queue(liburing.io_uring_prep_readv, fd, offset, buffers, token)
+        self._queue(self._binding.prep_readv, fd, offset, buffers, token)
 
     def _queue(
         self, prep: Any, fd: int, offset: int, buffers: list[memoryview], token: int
     ) -> None:
         self._make_room()
-        iovec = _iovec(buffers)
+        iovec = self._binding.iovec(buffers)
         sqe = self._sqe()
-        prep(sqe, fd, iovec, offset)
-        liburing.io_uring_sqe_set_data64(sqe, token)
+        prep(sqe, fd, iovec, len(buffers), offset)
+        self._binding.set_token(sqe, token)
         self._keep[token] = (iovec, buffers)
         self._in_flight += 1
         self._unsubmitted += 1
@@ -148,35 +100,21 @@ class UringQueue:
         """A no-op request (used to probe that the ring works end to end)."""
         self._make_room()
         sqe = self._sqe()
-        liburing.io_uring_prep_nop(sqe)
-        liburing.io_uring_sqe_set_data64(sqe, token)
+        self._binding.prep_nop(sqe)
+        self._binding.set_token(sqe, token)
         self._in_flight += 1
         self._unsubmitted += 1
 
     def submit(self) -> None:
         if self._unsubmitted:
-            try:
-                liburing.io_uring_submit(self.ring)
-            except OSError as e:
-                raise IOFailure("io_uring_submit failed", e.errno) from e
+            self._binding.submit(self.ring)
             self._unsubmitted = 0
 
     def _drain(self, *, block: bool) -> list[tuple[int, int]]:
         completions: list[tuple[int, int]] = []
+        reap, ring, cqe = self._binding.reap, self.ring, self._cqe
         while True:
-            seen = 0
-            cqe = self._cqe
-            for _ in liburing.CqeIter(self.ring, cqe):
-                entry = cqe[0]
-                token = entry.user_data
-                try:
-                    result = entry.res
-                except OSError as e:  # the binding raises for a negative res
-                    result = -(e.errno or 5)
-                completions.append((token, result))
-                seen += 1
-            if seen:
-                liburing.io_uring_cq_advance(self.ring, seen)
+            reap(ring, cqe, completions)
             if completions or not block:
                 return completions
             os.read(self._eventfd, 8)  # releases the GIL while the I/O runs
@@ -214,7 +152,7 @@ class UringQueue:
         self._closed = True
         while self._in_flight:
             self.wait(self._in_flight)
-        liburing.io_uring_queue_exit(self.ring)
+        self._binding.exit_ring(self.ring)
         os.close(self._eventfd)
 
 
@@ -223,8 +161,10 @@ class UringEngine:
 
     name = "io_uring"
 
-    def __init__(self, depth: int = 64) -> None:
+    def __init__(self, depth: int = 64, binding: Binding | None = None, why: str = "") -> None:
         self.depth = depth
+        self.binding = binding if binding is not None else load_binding()
+        self.why = why or f"io_uring via {self.binding.name}"
         self._local = threading.local()
         self._queues: list[UringQueue] = []
         self._lock = threading.Lock()
@@ -235,7 +175,7 @@ class UringEngine:
             lanes = self._local.lanes = {}
         queue = lanes.get(lane)
         if queue is None:
-            queue = lanes[lane] = UringQueue(self.depth)
+            queue = lanes[lane] = UringQueue(self.depth, self.binding)
             with self._lock:
                 self._queues.append(queue)
         return queue
