@@ -373,7 +373,9 @@ class KVStore:
             self.direct_io = probe_direct_read(root / SUPERBLOCK_NAME)
         else:
             self.direct_io = probe_direct_io(root / SEGMENTS_DIR)
-        self._engine: IOEngine = make_engine(config.io_engine, config.io_depth)
+        self._engine: IOEngine = make_engine(
+            config.io_engine, config.io_depth, config.uring_binding
+        )
         # Single-page reads poll their completion on io_uring (see StoreConfig.read_poll_us).
         self._poll_ns = config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0
         self._read_tokens = itertools.count()
@@ -2348,6 +2350,7 @@ class KVStore:
                 path=str(self.root),
                 format_version=FORMAT_VERSION,
                 io_engine=self._engine.name,
+                io_engine_reason=self._engine.why,
                 direct_io=self.direct_io,
                 readonly=self.readonly,
                 pages=len(self._table),
