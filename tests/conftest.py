@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from kvstore import KVStore
+from kvstore.io.engine import resolve_choice
 from kvstore.io.files import probe_direct_io
-from kvstore.io.uring import uring_available
+from kvstore.io.probe import probe_uring
 
 SMALL_SEGMENT_BYTES = 1 << 20
 SMALL_MAX_PAGE_BYTES = 256 << 10
@@ -74,15 +75,24 @@ def direct_io_supported(tmp_path_factory: pytest.TempPathFactory) -> bool:
     return probe_direct_io(tmp_path_factory.mktemp("direct-probe"))
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which engine and binding this run exercises (CI reruns suites per engine)."""
+    kind, binding, source = resolve_choice()
+    verdict = probe_uring(binding)
+    return f"kvstore: io_engine {kind} ({source}), uring_binding {binding}: {verdict.describe()}"
+
+
 @pytest.fixture(scope="session")
 def io_uring_supported() -> bool:
-    return uring_available()
+    """True when the binding in force (KVSTORE_URING_BINDING) passed its probe."""
+    return probe_uring(resolve_choice()[1]).ok
 
 
 @pytest.fixture(params=["io_uring", "threadpool"])
 def engine_kind(request: pytest.FixtureRequest, io_uring_supported: bool) -> str:
-    """Each I/O engine in turn; io_uring is skipped where the kernel refuses it."""
+    """Each I/O engine in turn; io_uring is skipped, with the probe's reason,
+    where the binding in force cannot run here."""
     kind: str = request.param
     if kind == "io_uring" and not io_uring_supported:
-        pytest.skip("io_uring is refused on this machine")
+        pytest.skip(f"io_uring is unusable here: {probe_uring(resolve_choice()[1]).reason}")
     return kind

@@ -359,6 +359,8 @@ class KvResult:
 class StoreOptions:
     segment_bytes: int
     io_depth: int
+    io_engine: str = "auto"
+    uring_binding: str = "auto"
 
 
 def open_store(root: Path, options: StoreOptions, *, create: bool = False) -> KVStore:
@@ -367,12 +369,25 @@ def open_store(root: Path, options: StoreOptions, *, create: bool = False) -> KV
         create=create,
         segment_bytes=options.segment_bytes,
         io_depth=options.io_depth,
+        io_engine=options.io_engine,
+        uring_binding=options.uring_binding,
     )
     stats = store.stats()
     if not stats.direct_io:
         store.close()
         raise RuntimeError(f"{root}: O_DIRECT is refused here; reads would hit the page cache")
     return store
+
+
+def engine_in_force(options: StoreOptions) -> str:
+    """Which engine the stores of this run get, and why (the probe's reason)."""
+    from kvstore.io.engine import make_engine
+
+    engine = make_engine(options.io_engine, options.io_depth, options.uring_binding)
+    try:
+        return engine.why
+    finally:
+        engine.close()
 
 
 def page_key(page_bytes: int, index: int) -> bytes:
@@ -862,6 +877,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=False,
         help="one untimed fio seq_write_1m pass before the baselines",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "io_uring", "threadpool"),
+        default="auto",
+        help="the store's io_engine (default auto: io_uring where its probe passes)",
+    )
+    parser.add_argument(
+        "--binding",
+        choices=("auto", "liburing-2024", "liburing-2026"),
+        default="auto",
+        help="the io_uring binding to demand (it must be the importable liburing)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the data files afterwards")
     parser.add_argument(
         "--report", type=Path, default=None, help="only print the table of a saved --out JSON"
@@ -871,8 +898,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def make_title(machine: dict[str, Any], size_mib: int, io_depth: int) -> str:
     code = machine.get("code", {})
+    engine = machine.get("io_engine")
     return (
         f"kvstore vs fio - {size_mib} MiB, io_depth {io_depth}, "
+        f"{f'engine: {engine}, ' if engine else ''}"
         f"{machine.get('nproc')} CPUs, {machine.get('mount', {}).get('fs', '?')} on "
         f"{machine.get('block_device', {}).get('name', '?')}, kvstore {code.get('git_head', '?')}"
         f"{'+dirty' if code.get('kvstore_dirty') else ''}"
@@ -900,10 +929,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_dir: Path = args.dir
     bench_dir.mkdir(parents=True, exist_ok=True)
     total_bytes = size_mib * MIB
-    options = StoreOptions(segment_bytes=args.segment_mib * MIB, io_depth=args.io_depth)
+    options = StoreOptions(
+        segment_bytes=args.segment_mib * MIB,
+        io_depth=args.io_depth,
+        io_engine=args.engine,
+        uring_binding=args.binding,
+    )
     rng = random.Random(args.seed)
 
     machine = machine_info(bench_dir, args.fio)
+    machine["io_engine"] = engine_in_force(options)
+    log(f"engine: {machine['io_engine']}")
     log(
         f"dir={machine['bench_dir']} fs={machine['mount'].get('fs')} size={size_mib} MiB "
         f"runtime cap={runtime}s nproc={machine['nproc']} load={machine['loadavg_start'][0]:.2f}"

@@ -282,5 +282,20 @@ def machine_info(bench_dir: Path) -> dict[str, object]:
         "disk_free_gib": round(usage.free / (1 << 30), 1),
         "loadavg": list(os.getloadavg()),
         "code": _code_version(),
+        "io_engine": _engine_in_force(),
         "unix_time": time.time(),
     }
+
+
+def _engine_in_force() -> str:
+    """Which engine a default store gets here, and why (kvstore.io.probe's verdict)."""
+    from kvstore.io.engine import make_engine
+
+    try:
+        engine = make_engine()
+    except (OSError, ValueError) as e:
+        return f"unknown ({e})"
+    try:
+        return engine.why
+    finally:
+        engine.close()

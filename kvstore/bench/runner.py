@@ -146,7 +146,8 @@ def run_bench(options: BenchOptions, reporter: Reporter) -> dict[str, Any]:
         "title": (
             f"kvstore bench: {options.page_bytes >> 10} KiB pages, "
             f"{options.total_bytes / MIB:,.0f} MiB per workload, {machine['nproc']} CPUs, "
-            f"{machine['mount'].get('fs', '?') if isinstance(machine['mount'], dict) else '?'}"
+            f"{machine['mount'].get('fs', '?') if isinstance(machine['mount'], dict) else '?'}, "
+            f"engine: {machine['io_engine']}"
         ),
         "started_unix": started,
         "seconds": time.time() - started,
