@@ -561,7 +561,8 @@ def _run_demo(path: Path, layers: int, blocks: int) -> None:
     with KVStore.open(path, create=True, segment_bytes=64 << 20) as store:
         stats = store.stats()
         console.print(
-            f"store at {store.root}: engine {stats.io_engine}, O_DIRECT {stats.direct_io}"
+            f"store at {store.root}: engine {stats.io_engine} ({stats.io_engine_reason}), "
+            f"O_DIRECT {stats.direct_io}"
         )
         items = list(pages.items())
         started = time.perf_counter()
