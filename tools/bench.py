@@ -879,9 +879,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--engine",
+        nargs="+",
         choices=("auto", "io_uring", "threadpool"),
-        default="auto",
-        help="the store's io_engine (default auto: io_uring where its probe passes)",
+        default=["auto"],
+        help="the store's io_engine (default auto: io_uring where its probe passes); "
+        "several run the kvstore workloads once each, between the same fio runs",
     )
     parser.add_argument(
         "--binding",
@@ -929,24 +931,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_dir: Path = args.dir
     bench_dir.mkdir(parents=True, exist_ok=True)
     total_bytes = size_mib * MIB
-    options = StoreOptions(
-        segment_bytes=args.segment_mib * MIB,
-        io_depth=args.io_depth,
-        io_engine=args.engine,
-        uring_binding=args.binding,
-    )
+    engines = [
+        StoreOptions(
+            segment_bytes=args.segment_mib * MIB,
+            io_depth=args.io_depth,
+            io_engine=engine,
+            uring_binding=args.binding,
+        )
+        for engine in dict.fromkeys(args.engine)
+    ]
     rng = random.Random(args.seed)
 
     machine = machine_info(bench_dir, args.fio)
-    machine["io_engine"] = engine_in_force(options)
-    log(f"engine: {machine['io_engine']}")
+    engine_names = {options.io_engine: engine_in_force(options) for options in engines}
+    machine["io_engine"] = engine_names[engines[0].io_engine]
+    for name, why in engine_names.items():
+        log(f"engine {name}: {why}")
     log(
         f"dir={machine['bench_dir']} fs={machine['mount'].get('fs')} size={size_mib} MiB "
         f"runtime cap={runtime}s nproc={machine['nproc']} load={machine['loadavg_start'][0]:.2f}"
     )
 
     fio_results: dict[str, FioResult] = {}
-    kv_results: dict[str, KvResult] = {}
+    kv_by_engine: dict[str, dict[str, KvResult]] = {options.io_engine: {} for options in engines}
+    kv_results = kv_by_engine[engines[0].io_engine]
     recheck_results: dict[str, FioResult] = {}
     started = time.time()
     settle(args.settle)  # let a previous run's deletes (ext4 discards) and writeback drain
@@ -954,7 +962,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.skip_fio:
             run_fio_phase(args, bench_dir, size_mib, runtime, fio_results)
         if not args.skip_kvstore:
-            run_kvstore_phase(args, bench_dir, total_bytes, runtime, options, rng, kv_results)
+            for options in engines:
+                log(f"-- kvstore on {engine_names[options.io_engine]}")
+                results = kv_by_engine[options.io_engine]
+                run_kvstore_phase(args, bench_dir, total_bytes, runtime, options, rng, results)
             if args.recheck and not args.skip_fio:
                 run_recheck_phase(args, bench_dir, size_mib, runtime, recheck_results)
     finally:
@@ -965,6 +976,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = build_rows(fio_results, kv_results, recheck_results)
     title = make_title(machine, size_mib, args.io_depth)
+    others = {
+        name: build_rows(fio_results, results, recheck_results)
+        for name, results in kv_by_engine.items()
+        if results is not kv_results
+    }
     document = {
         "machine": machine,
         "settings": {
@@ -986,6 +1002,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg_end": os.getloadavg(),
         "fio": {name: asdict(result) for name, result in fio_results.items()},
         "kvstore": {name: asdict(result) for name, result in kv_results.items()},
+        "engines": engine_names,
+        "kvstore_by_engine": {
+            engine: {name: asdict(result) for name, result in results.items()}
+            for engine, results in kv_by_engine.items()
+        },
+        "table_by_engine": {
+            engine: [asdict(row) for row in engine_rows] for engine, engine_rows in others.items()
+        },
         "fio_recheck": {name: asdict(result) for name, result in recheck_results.items()},
         "table": [asdict(row) for row in rows],
     }
@@ -993,6 +1017,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(text + "\n")
     print_table(rows, title, to_stderr=args.json)
+    for engine, engine_rows in others.items():
+        engine_machine = {**machine, "io_engine": engine_names[engine]}
+        print_table(engine_rows, make_title(engine_machine, size_mib, args.io_depth), args.json)
     if args.json:
         print(text)
     return 0
