@@ -425,6 +425,8 @@ class KVStore:
         self._cond = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
+        # WAL records published but not yet committed. A group commit swaps the
+        # list for a new one under ``_lock``: read it only under ``_lock``.
         self._pending: list[bytes] = []
         self._inflight = 0
         self._freezing = 0
@@ -695,7 +697,7 @@ class KVStore:
             spare: Segment | None = None
             try:
                 spare = self._new_segment(segment_id, generation)
-            except KVStoreError:
+            except Exception:
                 pass  # the writer creates its next segment itself, and reports the error
             finally:
                 with self._cond:
@@ -1043,8 +1045,12 @@ class KVStore:
         done_ns = time.perf_counter_ns()
         tv = self._tv
         table, states, on_put = self._table, self._segment_states, self._policy.on_put
-        pending_records = self._pending
         with self._lock:
+            # Read under the same lock as the publish: a group commit swaps the
+            # list out under this lock, and a record appended to a list taken
+            # before it would be written by nobody while its page is readable
+            # and the next flush() returns (issue 13).
+            pending_records = self._pending
             for pending in published:
                 self._finish_inflight(pending.segment.segment_id)
             puts = host = spans = 0
@@ -1107,7 +1113,12 @@ class KVStore:
             self._commit_locked()
 
     def _commit_locked(self) -> None:
-        """One group commit. Caller holds ``_commit_lock``."""
+        """One group commit. Caller holds ``_commit_lock``.
+
+        The records are swapped out under ``_lock``, so from then on they are this
+        commit's alone: it writes all of them, puts them back (nothing reached the
+        WAL), or stops the writer. It never returns having dropped one.
+        """
         assert self._wal is not None
         with self._lock:
             if self._failed is not None:
@@ -1122,26 +1133,45 @@ class KVStore:
         if not records and not dirty:
             return
         started_ns = time.perf_counter_ns()
-        for segment in dirty:
+        try:
+            joined = b"".join(records)
+            for segment in dirty:
+                try:
+                    os.fdatasync(segment.fd)
+                except OSError as e:
+                    raise self._fail(
+                        WriterFailedError(
+                            f"fdatasync of segment {segment.path.name} failed", e.errno
+                        )
+                    ) from e
+        except WriterFailedError:
+            raise
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, MemoryError) before the WAL saw any of
+            # it: the next commit takes the records and the segments' syncs over.
+            with self._lock:
+                self._pending[:0] = records
+                for segment in dirty:
+                    segment.dirty = True
+            raise
+        if joined:
             try:
-                os.fdatasync(segment.fd)
-            except OSError as e:
-                raise self._fail(
-                    WriterFailedError(f"fdatasync of segment {segment.path.name} failed", e.errno)
-                ) from e
-        if records:
-            try:
-                joined = b"".join(records)
                 self._wal.append(joined)
                 self._wal.sync()
             except WriterFailedError as e:
                 raise self._fail(e) from e
+            except BaseException as e:
+                # Part of the batch may be in the WAL file: nothing later may follow it.
+                self._fail(
+                    WriterFailedError(f"a WAL append was interrupted ({type(e).__name__}: {e})")
+                )
+                raise
         with self._lock:
             self._durable_lsn = max(self._durable_lsn, lsn_mark)
             self._counters["commits"] += 1
             self._tv[tc.COMMITS] += 1
             tc.observe(self._tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
-            if records:
+            if joined:
                 self._counters["wal_bytes_written"] += len(joined)
                 self._tv[tc.WAL] += len(joined)
 
@@ -1218,20 +1248,35 @@ class KVStore:
 
     def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
-        while not self._stop.wait(interval):
-            try:
-                if self._pending:
-                    self.flush()
-                wal = self._wal
-                if wal is not None and (
-                    wal.size_bytes >= self.config.checkpoint_wal_bytes
-                    or time.monotonic() - self._last_checkpoint >= self.config.checkpoint_interval_s
-                ):
-                    self._checkpoint()
-            except (KVStoreError, OSError):
-                # The failure is recorded in self._failed; callers see it on their next write.
-                if self._failed is not None or self._closed:
-                    return
+        try:
+            while not self._stop.wait(interval):
+                try:
+                    if self._pending:  # a peek: a record appended just after waits one tick
+                        self.flush()
+                    wal = self._wal
+                    if wal is not None and (
+                        wal.size_bytes >= self.config.checkpoint_wal_bytes
+                        or time.monotonic() - self._last_checkpoint
+                        >= self.config.checkpoint_interval_s
+                    ):
+                        self._checkpoint()
+                except (KVStoreError, OSError):
+                    # A failed write is recorded in self._failed (callers see it on
+                    # their next write); a failed checkpoint is retried next time.
+                    if self._failed is not None or self._closed:
+                        return
+        except BaseException as e:
+            self._background_failed("kvstore-flush", e)
+
+    def _background_failed(self, thread: str, error: BaseException) -> None:
+        """A background thread met an exception it has no handling for (a bug): it
+        stops, and so does the writer, with the reason, rather than going on without
+        group commits (or GC) while writers wait for durability that never comes."""
+        failure = WriterFailedError(
+            f"the {thread} thread stopped on an unexpected {type(error).__name__}: {error}"
+        )
+        failure.__cause__ = error
+        self._fail(failure)
 
     # -- reads ---------------------------------------------------------------
 
@@ -1835,19 +1880,22 @@ class KVStore:
             tc.observe(self._tv, tc.OP_GC, elapsed_ns)
 
     def _gc_loop(self) -> None:
-        while not self._stop.wait(self.config.gc_interval_s):
-            try:
-                started_ns = time.perf_counter_ns()
-                with self._gc_lock:
-                    tally = _GCTally()
-                    self._free_empty_segments(tally)
-                    self._compact_sparse(tally)
-                    if self._capacity_segments is not None:
-                        self._evict_until_watermark(tally)
-                self._count_gc_pass(started_ns)
-            except (KVStoreError, OSError):
-                if self._failed is not None or self._closed:
-                    return
+        try:
+            while not self._stop.wait(self.config.gc_interval_s):
+                try:
+                    started_ns = time.perf_counter_ns()
+                    with self._gc_lock:
+                        tally = _GCTally()
+                        self._free_empty_segments(tally)
+                        self._compact_sparse(tally)
+                        if self._capacity_segments is not None:
+                            self._evict_until_watermark(tally)
+                    self._count_gc_pass(started_ns)
+                except (KVStoreError, OSError):
+                    if self._failed is not None or self._closed:
+                        return
+        except BaseException as e:
+            self._background_failed("kvstore-gc", e)
 
     def _free_segment_count(self) -> int:
         assert self._capacity_segments is not None
@@ -2032,7 +2080,8 @@ class KVStore:
         tried: set[int] = set()
         while True:
             views = [view for view in self._segment_views() if view.segment_id not in tried]
-            victim = self._policy.choose_segment(views)
+            with self._lock:  # policy calls are serialised by the store lock (but victims)
+                victim = self._policy.choose_segment(views)
             if victim is None:
                 return
             tried.add(victim)
@@ -2040,9 +2089,10 @@ class KVStore:
             def evict(key: bytes) -> bool:
                 # A pinned key's current version may live here while the pin holds an
                 # older one elsewhere: relocate it too, so a pinned reader never misses.
-                if key in self._retains or key in self._pins:
-                    return False
-                return not self._policy.keep(key)
+                with self._lock:  # keep() updates the state on_read() updates
+                    if key in self._retains or key in self._pins:
+                        return False
+                    return not self._policy.keep(key)
 
             if self._empty_segment(victim, tally, evict=evict) and self._free_segment(
                 victim, tally
@@ -2450,10 +2500,15 @@ class KVStore:
         ``telemetry_flush_interval_s`` when they changed."""
         interval = self.config.telemetry_flush_interval_s
         while not self._stop.wait(min(1.0, interval)):
-            with self._lock:
-                self._samples.append(self._throughput_sample())
-            if time.monotonic() - self._telemetry_last_save >= interval:
-                self._persist_telemetry()
+            try:
+                with self._lock:
+                    self._samples.append(self._throughput_sample())
+                if time.monotonic() - self._telemetry_last_save >= interval:
+                    self._persist_telemetry()
+            except Exception as e:  # counting must never stop for good: keep the reason
+                note = f"the telemetry thread met {type(e).__name__}: {e}"
+                if note not in self._telemetry.notes:
+                    self._telemetry.notes.append(note)
 
     def _persist_telemetry(self) -> None:
         with self._checkpoint_lock:

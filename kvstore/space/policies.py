@@ -76,7 +76,13 @@ class EvictionPolicy:
         return False
 
     def victims(self, candidates: Iterable[bytes], count: int) -> list[bytes]:
-        """Page-granular policies: up to ``count`` keys to evict first."""
+        """Page-granular policies: up to ``count`` keys to evict first.
+
+        Unlike the other methods (called under the store's lock), this one runs
+        without it, since ranking every page may take a while: ``on_put``,
+        ``on_read`` and ``on_delete`` may change the policy's state meanwhile, so
+        iterate over a copy of it.
+        """
         return []
 
 
@@ -162,9 +168,10 @@ class LRUPolicy(EvictionPolicy):
     def victims(self, candidates: Iterable[bytes], count: int) -> list[bytes]:
         # Keys never seen since open (from an earlier run) count as oldest.
         allowed = set(candidates)
+        order = list(self._order)  # one C-level copy: on_read() may run meanwhile
         chosen = [key for key in allowed if key not in self._order]
         chosen = sorted(chosen)[:count]
-        for key in self._order:
+        for key in order:
             if len(chosen) >= count:
                 break
             if key in allowed:
