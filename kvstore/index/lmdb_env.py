@@ -125,11 +125,22 @@ class IndexEnv:
         except (lmdb.Error, OSError) as e:
             self.env.close()
             raise CorruptionError(f"cannot read the LMDB index at {self.path}: {e}") from e
-        if (last_page + 1) * page_bytes > file_bytes:
+        if (last_page + 1) * page_bytes <= file_bytes:
+            return
+        # The meta page's last page can be one LMDB never wrote (allocated and
+        # freed again within a transaction), so a sound file may end before it
+        # (the kill -9 loop met it every few dozen cycles). Refuse only if a page
+        # reachable from the roots lies past the end.
+        try:
+            with self.env.begin(write=False):  # no writer reuses pages meanwhile
+                problems = verify_lmdb_file(self.path / "data.mdb", page_bytes)
+        except lmdb.Error as e:
+            problems = [str(e)]
+        if problems:
             self.env.close()
             raise CorruptionError(
                 f"the LMDB index at {self.path} is truncated ({file_bytes} bytes, its meta "
-                f"page names page {last_page}); run `kvstore recover PATH`"
+                f"page names page {last_page}: {problems[0]}); run `kvstore recover PATH`"
             )
 
     def _check_structure(self) -> None:
