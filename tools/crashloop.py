@@ -37,9 +37,32 @@ key deleted) is present with its latest acknowledged bytes and
 durable (the eviction was flushed with it); ``is_retained()`` matches what was
 acknowledged. Each cycle with a capacity picks an eviction policy.
 
+Concurrent writers (``--threads N``, issue 13). The child runs N writer threads
+on disjoint shares of the keys (key i belongs to thread i mod N), so per key the
+operations stay sequential and the oracle above holds per key. Thread 0 runs the
+mix above (with ``--retain``, the space operations too) on its share; threads
+1..N-1 run ``put_many`` of 2-7 keys (sync or not; fresh keys, never written
+before, ``--fresh-prob`` of the time), ``put(sync=True)``, plain puts, deletes,
+``flush()`` and reads of their own keys. A sync put is acknowledged when it
+returned; any other put or delete once a ``flush()`` that started after it
+returned has returned, on whichever thread (the flush contract), so acks lag
+behind and several operations of a key may be in flight: an ack settles the
+operation it names and those begun before it on the key, and leaves the later
+ones in flight (deletes carry a token for that). Fresh keys are checked once
+after the kill, then deleted. ``--flush-interval-ms 1`` makes the store's
+flusher commit all the time; ``--switch-interval-us``, ``--busy-threads`` and
+``--busy-procs`` add GIL and CPU pressure; ``--max-page-kib`` caps page sizes for
+more operations per second. ``--engine`` picks the I/O engine of every store the
+loop opens; without it the store's default applies, which ``KVSTORE_IO_ENGINE``
+overrides (the children inherit the environment). Which engine each child ran
+is counted from its ``ready`` line (``engines`` in the summary).
+
     .venv/bin/python tools/crashloop.py --dir /tmp/crash --cycles 200 --seed 1
     .venv/bin/python tools/crashloop.py --dir /tmp/crash-space --cycles 300 --seed 1 \
         --segment-mib 2 --capacity-mib 16 --retain
+    .venv/bin/python tools/crashloop.py --dir /tmp/crash-threads --cycles 2000 --seed 1 \
+        --threads 4 --flush-interval-ms 1 --max-page-kib 64 --engine io_uring \
+        --segment-mib 2 --capacity-mib 16 --retain --busy-threads 1 --json
 """
 
 from __future__ import annotations
@@ -47,6 +70,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
+import itertools
 import json
 import os
 import random
@@ -85,14 +110,24 @@ def key_name(index: int) -> str:
     return f"k{index:05d}"
 
 
+_PAGE_LIMIT = [MAX_PAGE_BYTES]  # set_page_limit (--max-page-kib), in parent and child alike
+
+
+def set_page_limit(limit: int | None) -> None:
+    """Cap every page size at ``limit`` bytes (None: the default 1 MiB)."""
+    _PAGE_LIMIT[0] = MAX_PAGE_BYTES if limit is None else max(MIN_PAGE_BYTES, limit)
+
+
 def page_size(key: str, version: int) -> int:
-    """Mostly 256 KiB; otherwise log-uniform in 4 KiB..1 MiB at any byte count."""
+    """Mostly 256 KiB; otherwise log-uniform in 4 KiB..1 MiB at any byte count
+    (both capped by ``set_page_limit``)."""
     h = xxhash.xxh64_intdigest(f"size/{key}/{version}".encode())
+    limit = min(_PAGE_LIMIT[0], MAX_PAGE_BYTES)
     if h % 100 < 60:
-        return COMMON_PAGE_BYTES
+        return min(COMMON_PAGE_BYTES, limit)
     frac = (h >> 8) / float(1 << 56)
-    size = int(MIN_PAGE_BYTES * (MAX_PAGE_BYTES / MIN_PAGE_BYTES) ** frac)
-    return max(MIN_PAGE_BYTES, min(MAX_PAGE_BYTES, size))
+    size = int(MIN_PAGE_BYTES * (limit / MIN_PAGE_BYTES) ** frac)
+    return max(MIN_PAGE_BYTES, min(limit, size))
 
 
 def page_bytes(key: str, version: int) -> bytes:
@@ -133,10 +168,214 @@ def open_store(path: Path, segment_bytes: int, **options: Any) -> KVStore:
     )
 
 
+class _Durability:
+    """Which puts and deletes a flush has made durable, across the child's threads.
+
+    Each ``flush()`` takes a sequence number when it starts; a put or delete takes
+    one when it returns. When a flush returns, everything that returned before it
+    started is durable (the contract of ``flush``), whichever thread flushed:
+    ``covered`` is the highest start number of a flush that has returned.
+    """
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.covered = 0
+
+    def tick(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def flush(self) -> None:
+        start = self.tick()
+        self.store.flush()
+        with self._lock:
+            self.covered = max(self.covered, start)
+
+
+@dataclasses.dataclass(slots=True)
+class _Unacked:
+    key: str
+    kind: str  # "put" or "del"
+    token: int  # the put's version, or the delete's token
+    returned: int  # _Durability sequence number taken after the call returned
+    durable: bool  # a sync put: durable when it returned
+
+
+class _Worker:
+    """One writer thread of ``--threads`` (threads 1..N-1; thread 0 runs the plain mix).
+
+    It owns its share of the fixed keys (no other thread writes them, so per key
+    the operations are sequential and LSNs follow the order they were begun in)
+    and makes up fresh keys (``f<cycle>.<thread>.<n>``, each written once). Its
+    mix: ``put_many`` of 2-7 keys (sync or not; fresh keys with ``fresh_prob``),
+    ``put(sync=True)``, plain puts, deletes, ``flush()``, and reads of its own
+    keys checked against what returned (``bad read ...`` on a mismatch).
+
+    It writes ``begin`` before each call. It writes ``ack`` only for durable
+    operations: a sync put once it returned; any other put or delete once a
+    ``flush()`` that started after it returned has returned, on any thread
+    (``_Durability``). Acks of one key come in the order its operations were begun;
+    an operation whose ack would come after a later one's on the same key is
+    superseded and never acknowledged. Deletes carry a token (``begin del K T``)
+    so the oracle settles exactly the delete acknowledged and keeps the
+    operations begun after it in flight.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        store: KVStore,
+        keys: list[str],
+        rng: random.Random,
+        report: Callable[[str], None],
+        durability: _Durability,
+        next_version: Callable[[], int],
+        args: argparse.Namespace,
+    ) -> None:
+        self.index = index
+        self.store = store
+        self.keys = keys
+        self.rng = rng
+        self.report = report
+        self.durability = durability
+        self.next_version = next_version
+        self.cycle = int(args.cycle)
+        self.fresh_prob = float(args.fresh_prob)
+        self.bounded = bool(args.capacity_mib)
+        self.unacked: list[_Unacked] = []
+        self.current: dict[str, int | None] = {}  # what returned last: version, None = deleted
+        self.fresh_count = 0
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.settle()
+            r = self.rng.random()
+            if r < 0.30:
+                self.put_batch(sync=False)
+            elif r < 0.45:
+                self.put_batch(sync=True)
+            elif r < 0.60:
+                self.put_one(sync=True)
+            elif r < 0.65:
+                self.put_one(sync=False)
+            elif r < 0.75:
+                self.delete_some()
+            elif r < 0.90:
+                self.durability.flush()
+            else:
+                self.read_back()
+
+    def _returned(self, key: str, kind: str, token: int, durable: bool) -> None:
+        self.unacked.append(_Unacked(key, kind, token, self.durability.tick(), durable))
+
+    def settle(self) -> None:
+        """Acknowledge what is durable now, in the order it was begun."""
+        covered = self.durability.covered
+        waiting: list[_Unacked] = []
+        for op in self.unacked:
+            if op.durable or op.returned < covered:
+                waiting = [older for older in waiting if older.key != op.key]  # superseded
+                self.report(f"ack {op.kind} {op.key} {op.token}")
+            else:
+                waiting.append(op)
+        self.unacked = waiting
+
+    def _fresh_keys(self, count: int) -> list[str]:
+        start = self.fresh_count
+        self.fresh_count += count
+        return [f"f{self.cycle}.{self.index}.{n}" for n in range(start, start + count)]
+
+    def put_batch(self, *, sync: bool) -> None:
+        count = self.rng.randint(2, 7)
+        if self.rng.random() < self.fresh_prob:
+            keys = self._fresh_keys(count)
+        else:
+            keys = self.rng.sample(self.keys, min(count, len(self.keys)))
+        batch = [(key, self.next_version()) for key in keys]
+        for key, version in batch:
+            self.report(f"begin put {key} {version}")
+        self.store.put_many(
+            [(key, page_bytes(key, version), page_meta(key, version)) for key, version in batch],
+            sync=sync,
+        )
+        for key, version in batch:
+            self.current[key] = version
+            self._returned(key, "put", version, sync)
+        if sync:
+            self.settle()
+
+    def put_one(self, *, sync: bool) -> None:
+        key, version = self.rng.choice(self.keys), self.next_version()
+        self.report(f"begin put {key} {version}")
+        self.store.put(key, page_bytes(key, version), meta=page_meta(key, version), sync=sync)
+        self.current[key] = version
+        self._returned(key, "put", version, sync)
+        if sync:
+            self.settle()
+
+    def delete_some(self) -> None:
+        chosen = self.rng.sample(self.keys, min(len(self.keys), self.rng.randint(1, 3)))
+        for key in chosen:
+            token = self.next_version()
+            self.report(f"begin del {key} {token}")
+            self.store.delete(key)
+            self.current[key] = None
+            self._returned(key, "del", token, False)
+
+    def read_back(self) -> None:
+        """A key this thread wrote reads back as what it wrote last (or, under a
+        capacity, as a miss); a deleted one stays deleted."""
+        if not self.current:
+            return
+        key = self.rng.choice(sorted(self.current))
+        version = self.current[key]
+        got = self.store.get(key)
+        if version is None:
+            if got is not None:
+                self.report(f"bad read {key}: deleted, but get returned {len(got)} bytes")
+        elif got is None:
+            if not self.bounded:
+                self.report(f"bad read {key} v{version}: missing")
+        elif got != page_bytes(key, version):
+            self.report(f"bad read {key} v{version}: wrong bytes ({len(got)})")
+
+
+def _spin(stop: threading.Event) -> None:
+    """CPU load inside the child: pure Python, so it competes for the GIL too."""
+    while not stop.is_set():
+        sum(i * i for i in range(2000))
+
+
+def _thread_main(body: Callable[[], None]) -> Callable[[], None]:
+    """A worker that fails ends the child at once (the parent counts a child failure)."""
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(70)
+
+    return run
+
+
 def child_main(args: argparse.Namespace) -> int:
     rng = random.Random(args.child_seed)
     report = _Reporter(sys.stdout.fileno())
+    set_page_limit(args.max_page_kib * KIB if args.max_page_kib else None)
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     options: dict[str, Any] = {}
+    if args.flush_interval_ms is not None:
+        options["flush_interval_ms"] = args.flush_interval_ms
+    if args.engine is not None:
+        options["io_engine"] = args.engine
     if args.checkpoint_interval_s is not None:
         options["checkpoint_interval_s"] = args.checkpoint_interval_s
     if args.checkpoint_wal_bytes is not None:
@@ -152,15 +391,36 @@ def child_main(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     started = time.perf_counter()
     store = open_store(Path(args.dir), args.segment_mib * MIB, **options)
-    report(f"ready {time.perf_counter() - started:.6f}")
-    keys = [key_name(i) for i in range(args.keys)]
+    report(f"ready {time.perf_counter() - started:.6f} {store.stats().io_engine}")
+    threads = max(1, int(args.threads))
+    all_keys = [key_name(i) for i in range(args.keys)]
+    keys = all_keys[0::threads]  # thread 0's share; all of them without --threads
     space = _ChildSpace(store, keys, rng, report, args) if args.retain else None
-    seq = 0
+    versions = itertools.count(1)  # next() on a count is atomic: shared by the threads
+    durability = _Durability(store)
 
     def next_version() -> int:
-        nonlocal seq
-        seq += 1
-        return int(args.cycle) * 1_000_000 + seq
+        return int(args.cycle) * 1_000_000 + next(versions)
+
+    stop = threading.Event()
+    helpers = []
+    for index in range(1, threads):
+        worker = _Worker(
+            index,
+            store,
+            all_keys[index::threads],
+            random.Random(args.child_seed * 1_000 + index),
+            report,
+            durability,
+            next_version,
+            args,
+        )
+        body = _thread_main(functools.partial(worker.run, stop))
+        helpers.append(threading.Thread(target=body, name=f"writer-{index}", daemon=True))
+    for _ in range(args.busy_threads):
+        helpers.append(threading.Thread(target=_spin, args=(stop,), daemon=True))
+    for helper in helpers:
+        helper.start()
 
     def put_item(key: str, version: int) -> tuple[str, bytes, dict[str, Any] | None]:
         return key, page_bytes(key, version), page_meta(key, version)
@@ -222,7 +482,7 @@ def child_main(args: argparse.Namespace) -> int:
                 item = put_item(k, v)
                 report(f"begin put {k} {v}")
                 store.put(k, item[1], meta=item[2])
-            store.flush()
+            durability.flush()
             for k, v in batch:
                 ack_put(k, v)
         elif r < 0.86:  # deletes, then flush
@@ -230,7 +490,7 @@ def child_main(args: argparse.Namespace) -> int:
             for k in chosen:
                 begin_del(k)
                 store.delete(k)
-            store.flush()
+            durability.flush()
             for k in chosen:
                 ack_del(k)
         else:  # churn: puts and deletes of a few keys, repeats included, then flush
@@ -248,13 +508,16 @@ def child_main(args: argparse.Namespace) -> int:
                     begin_del(k)
                     store.delete(k)
                     final[k] = ("del", None)
-            store.flush()
+            durability.flush()
             for k, (kind, v) in final.items():
                 if kind == "put":
                     assert v is not None
                     ack_put(k, v)
                 else:
                     ack_del(k)
+    stop.set()
+    for helper in helpers:
+        helper.join()
     if space is not None:
         space.unpin_all()
     store.close()
@@ -441,6 +704,16 @@ class LoopConfig:
     retain: bool = False  # the child also retains, releases, pins and deletes pinned pages
     space_prob: float = 0.2  # with retain: share of operations that are those
     eviction_policy: str | None = None  # with a capacity: None picks one per cycle
+    # Concurrent writers (``--threads``): thread 0 runs the mix above on its share
+    # of the keys, the others run _Worker on theirs (see child_main).
+    threads: int = 1
+    flush_interval_ms: float | None = None  # the store's flusher; None: its default
+    engine: str | None = None  # io_engine for child and parent; None: the default
+    fresh_prob: float = 0.5  # --threads: share of put_many batches of fresh keys
+    switch_interval_us: float | None = None  # the child's GIL switch interval
+    busy_threads: int = 0  # CPU-bound Python threads in the child (GIL contention)
+    busy_procs: int = 0  # CPU-bound processes beside the loop, for the whole run
+    max_page_kib: int | None = None  # cap on page sizes (more operations per second)
 
 
 @dataclasses.dataclass(slots=True)
@@ -485,6 +758,10 @@ class LoopSummary:
     kvstore_module: str = ""
     capacity_mib: int | None = None
     retain: bool = False
+    threads: int = 1
+    flush_interval_ms: float | None = None
+    checked_fresh_keys: int = 0  # fresh keys (--threads) verified, then deleted
+    engines: dict[str, int] = dataclasses.field(default_factory=dict)  # children per engine
     details: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -542,17 +819,45 @@ class Oracle:
         self.bounded = bounded
         self.acked: dict[str, State] = dict.fromkeys(keys, ABSENT)
         self.begun: dict[str, list[State]] = {k: [] for k in keys}
+        # Per begun state, what identifies its ack: the version of a put, the token
+        # of a delete that carries one (``begin del K T``), else None.
+        self.begun_tokens: dict[str, list[int | None]] = {k: [] for k in keys}
         self.fresh: set[str] = set()  # acknowledged during the current cycle
         self.history: dict[str, set[int]] = {k: set() for k in keys}
         self.retained: dict[str, bool] = dict.fromkeys(keys, False)
         self.retain_begun: dict[str, list[bool]] = {k: [] for k in keys}
+        # Keys outside ``keys`` that the child wrote this cycle (``--threads``: the
+        # fresh keys of put_many): verified once after the kill, then dropped.
+        self.fresh_keys: list[str] = []
 
     def start_cycle(self) -> None:
         self.fresh.clear()
         for pending in self.begun.values():
             pending.clear()
+        for tokens in self.begun_tokens.values():
+            tokens.clear()
         for flags in self.retain_begun.values():
             flags.clear()
+
+    def _know(self, key: str) -> None:
+        """Start tracking a key outside the fixed key space (a fresh key)."""
+        if key in self.acked:
+            return
+        self.acked[key] = ABSENT
+        self.begun[key] = []
+        self.begun_tokens[key] = []
+        self.history[key] = set()
+        self.retained[key] = False
+        self.retain_begun[key] = []
+        self.fresh_keys.append(key)
+
+    def forget_fresh_keys(self) -> None:
+        """Drop this cycle's fresh keys (verified, and deleted from the store)."""
+        for key in self.fresh_keys:
+            del self.acked[key], self.begun[key], self.begun_tokens[key]
+            del self.history[key], self.retained[key], self.retain_begun[key]
+            self.fresh.discard(key)
+        self.fresh_keys.clear()
 
     def must_keep(self, key: str) -> bool:
         """A retain is acknowledged and nothing begun since may have dropped it."""
@@ -577,21 +882,33 @@ class Oracle:
         if kind in ("retain", "release"):
             self._apply_retain(phase, kind, key, parts[3:], summary, cycle)
             return
+        self._know(key)
         state: State = ("put", int(parts[3])) if kind == "put" else ABSENT
+        token = int(parts[3]) if len(parts) > 3 else None
         if phase == "begin":
             self.begun[key].append(state)
+            self.begun_tokens[key].append(token)
             if kind == "put":
                 self.history[key].add(state[1])
             else:
                 self.retain_begun[key].append(False)  # a delete drops the retain
             return
-        if ABSENT in self.begun[key]:
+        # An ack settles the operation it names and every one begun before it on
+        # that key (one writer per key: later ones have later LSNs). Operations
+        # begun after it stay in flight (``--threads``: a worker acknowledges a put
+        # only once a flush covers it, and may have begun others on the key since).
+        # Without a token that matches, it settles everything begun.
+        tokens = self.begun_tokens[key]
+        cut = tokens.index(token) + 1 if token is not None and token in tokens else len(tokens)
+        settled = self.begun[key][:cut]
+        if ABSENT in settled:
             # A delete begun in the same group (a churn acknowledges only the last
             # state of each key): the flush made it durable, so the retain is gone.
             self.retained[key] = False
             self.retain_begun[key].clear()
         self.acked[key] = state
-        self.begun[key].clear()
+        del self.begun[key][:cut]
+        del tokens[:cut]
         self.fresh.add(key)
         if kind == "put":
             summary.acks_put += 1
@@ -773,10 +1090,13 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
             options: dict[str, Any] = {}
             if config.capacity_mib:  # no background GC: nothing may be evicted while checked
                 options.update(capacity_bytes=config.capacity_mib * MIB, gc_interval_s=0)
+            if config.engine is not None:
+                options["io_engine"] = config.engine
             store = open_store(config.dir, config.segment_mib * MIB, **options)
         except StoreNotFoundError:
             # Killed while creating the store: fine as long as nothing was acknowledged.
             summary.store_not_created_yet += 1
+            oracle.forget_fresh_keys()
             if any(state != ABSENT for state in oracle.acked.values()):
                 summary.recovery_failures += 1
                 summary.note(f"cycle {cycle}: the store vanished after acknowledged writes")
@@ -789,15 +1109,24 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
         summary.reopen_s.append(time.perf_counter() - started)
         summary.replayed_records.append(store.replayed_records)
         try:
-            results = _read_all(store, oracle.keys, summary, cycle)
+            keys = oracle.keys + oracle.fresh_keys
+            results = _read_all(store, keys, summary, cycle)
             present: set[str] = set()
-            for key, (got, meta, failed) in zip(oracle.keys, results, strict=True):
+            for key, (got, meta, failed) in zip(keys, results, strict=True):
                 if failed:
                     continue  # counted as a read error; the baseline stays as it was
                 oracle.acked[key] = _classify(oracle, key, got, meta, summary, cycle)
                 if got is not None:
                     present.add(key)
                 _check_retain(store, oracle, key, got is not None, summary, cycle)
+            if oracle.fresh_keys:
+                # Checked once: delete them, so the store (and each cycle's check)
+                # stays the size of the fixed key space.
+                summary.checked_fresh_keys += len(oracle.fresh_keys)
+                for key in oracle.fresh_keys:
+                    store.delete(key)
+                    present.discard(key)
+                oracle.forget_fresh_keys()
             if not any(failed for _, _, failed in results):
                 _check_index(store, present, summary, cycle)
         finally:
@@ -823,6 +1152,7 @@ class _ChildWatch:
         self.lines: list[str] = []
         self.last_line_at = time.monotonic()
         self.ready = threading.Event()
+        self.engine: str | None = None  # what the child's store runs on (its ready line)
         self.in_checkpoint = threading.Event()
         self.ckpt_begun = threading.Event()
         self.in_gc = threading.Event()
@@ -838,6 +1168,8 @@ class _ChildWatch:
             self.lines.append(line)
             self.last_line_at = time.monotonic()
             if line.startswith("ready"):
+                fields = line.split()
+                self.engine = fields[2] if len(fields) > 2 else None
                 self.ready.set()
             elif line == "begin ckpt":
                 self.in_checkpoint.set()
@@ -910,6 +1242,19 @@ def _child_command(config: LoopConfig, cycle: int, rng: random.Random, hunt: boo
     if rng.random() < 0.3:  # let the flusher thread checkpoint under the writes too
         command += ["--checkpoint-interval-s", f"{rng.uniform(0.05, 0.5):.3f}"]
         command += ["--checkpoint-wal-bytes", str(rng.choice([16 * KIB, 256 * KIB, 64 * MIB]))]
+    # The options below draw nothing from rng: a loop without them runs the same cycles.
+    if config.threads > 1:
+        command += ["--threads", str(config.threads), "--fresh-prob", str(config.fresh_prob)]
+    if config.flush_interval_ms is not None:
+        command += ["--flush-interval-ms", str(config.flush_interval_ms)]
+    if config.engine is not None:
+        command += ["--engine", config.engine]
+    if config.switch_interval_us:
+        command += ["--switch-interval-us", str(config.switch_interval_us)]
+    if config.busy_threads:
+        command += ["--busy-threads", str(config.busy_threads)]
+    if config.max_page_kib:
+        command += ["--max-page-kib", str(config.max_page_kib)]
     return command
 
 
@@ -982,6 +1327,8 @@ def run_cycle(
     else:
         summary.kills_during_ops += 1
     stderr_path.unlink(missing_ok=True)
+    if watch.engine is not None:
+        summary.engines[watch.engine] = summary.engines.get(watch.engine, 0) + 1
     before = summary.violations
     for line in watch.lines:
         oracle.apply(line, summary, cycle)  # may count "bad ..." lines and lost retains
@@ -1011,17 +1358,33 @@ def run_crashloop(config: LoopConfig, log: Callable[[str], None] | None = None) 
         kvstore_module=str(Path(kvstore.__file__).parent),
         capacity_mib=config.capacity_mib,
         retain=config.retain,
+        threads=config.threads,
+        flush_interval_ms=config.flush_interval_ms,
     )
+    set_page_limit(config.max_page_kib * KIB if config.max_page_kib else None)
+    busy = [
+        subprocess.Popen(
+            [config.python, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(config.busy_procs)
+    ]
     started = time.perf_counter()
-    for cycle in range(1, config.cycles + 1):
-        if not run_cycle(config, oracle, summary, cycle, rng, say):
-            say(f"stopping after cycle {cycle}")
-            break
-        if cycle % 10 == 0:
-            say(
-                f"cycle {cycle}: acks {summary.acks_put} puts / {summary.acks_del} deletes, "
-                f"violations {summary.violations}, last reopen {summary.reopen_s[-1:]}"
-            )
+    try:
+        for cycle in range(1, config.cycles + 1):
+            if not run_cycle(config, oracle, summary, cycle, rng, say):
+                say(f"stopping after cycle {cycle}")
+                break
+            if cycle % 10 == 0:
+                say(
+                    f"cycle {cycle}: acks {summary.acks_put} puts / {summary.acks_del} deletes, "
+                    f"violations {summary.violations}, last reopen {summary.reopen_s[-1:]}"
+                )
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     summary.elapsed_s = time.perf_counter() - started
     summary.store_bytes = (
         sum(f.stat().st_size for f in config.dir.rglob("*") if f.is_file())
@@ -1046,7 +1409,15 @@ def format_summary(summary: LoopSummary) -> str:
         f"{d['checked_acked_deletes']} deletes ({d['checked_keys']} key checks in all)",
         f"unacked ops resolved     {d['inflight_became_new']} to the new state, "
         f"{d['inflight_stayed_old']} to the old",
+        "engines                  "
+        + (", ".join(f"{name} {count} children" for name, count in d["engines"].items()) or "-"),
     ]
+    if summary.threads > 1 or summary.flush_interval_ms is not None:
+        lines += [
+            f"writers                  {summary.threads} threads, flusher every "
+            f"{summary.flush_interval_ms if summary.flush_interval_ms is not None else 'default'}"
+            f" ms; {d['checked_fresh_keys']} fresh keys verified",
+        ]
     if summary.capacity_mib or summary.retain:
         lines += [
             f"space mode               capacity "
@@ -1118,6 +1489,58 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a ready child silent this long has stalled (a violation); raise it on a "
         "heavily loaded machine",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="writer threads in the child: thread 0 runs the mix above on its share of "
+        "the keys, the others put_many (2-7 keys, fresh ones too), put(sync=True), "
+        "delete and flush() on theirs, acknowledging what any thread's flush covered",
+    )
+    parser.add_argument(
+        "--flush-interval-ms",
+        type=float,
+        default=None,
+        help="the child store's flush_interval_ms (default: the store's); 1 makes the "
+        "flusher's group commits race the writers all the time",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "io_uring", "threadpool"],
+        default=None,
+        help="io_engine of every store the loop opens (child and parent); default: the "
+        "store's, which KVSTORE_IO_ENGINE overrides (children inherit the environment)",
+    )
+    parser.add_argument(
+        "--fresh-prob",
+        type=float,
+        default=0.5,
+        help="with --threads: share of a worker's put_many batches that write fresh "
+        "keys (written once, verified after the kill, then deleted)",
+    )
+    parser.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="the child's GIL switch interval (sys.setswitchinterval) in microseconds: "
+        "small values make thread switches land inside short critical windows",
+    )
+    parser.add_argument(
+        "--busy-threads", type=int, default=0, help="CPU-bound Python threads in the child"
+    )
+    parser.add_argument(
+        "--busy-procs",
+        type=int,
+        default=0,
+        help="CPU-bound processes beside the loop for the whole run (CPU load)",
+    )
+    parser.add_argument(
+        "--max-page-kib",
+        type=int,
+        default=None,
+        help="cap page sizes (default 1 MiB, mostly 256 KiB): smaller pages, more "
+        "operations and group commits per second",
+    )
     parser.add_argument("--stop-on-violation", action="store_true")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     # child mode (internal)
@@ -1158,6 +1581,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity_mib=args.capacity_mib,
         retain=args.retain,
         stall_s=args.stall_s,
+        threads=args.threads,
+        flush_interval_ms=args.flush_interval_ms,
+        engine=args.engine,
+        fresh_prob=args.fresh_prob,
+        switch_interval_us=args.switch_interval_us,
+        busy_threads=args.busy_threads,
+        busy_procs=args.busy_procs,
+        max_page_kib=args.max_page_kib,
     )
 
     def log(message: str) -> None:
