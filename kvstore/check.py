@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,7 +57,12 @@ from kvstore.format.names import (
     parse_segment_name,
     parse_wal_name,
 )
-from kvstore.format.records import decode_record_header, decode_segment_header, decode_superblock
+from kvstore.format.records import (
+    SegmentHeader,
+    decode_record_header,
+    decode_segment_header,
+    decode_superblock,
+)
 from kvstore.format.wal import decode_body
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, lmdb_read_errors
 from kvstore.index.lmdb_verify import verify_lmdb_file
@@ -67,9 +73,10 @@ from kvstore.io.files import fsync_dir
 from kvstore.log.wal import list_wal_files, read_wal_chain
 
 if TYPE_CHECKING:
+    from kvstore.log.segments import Segment
     from kvstore.store import KVStore
 
-__all__ = ["FINDING_KINDS", "Finding", "Progress", "check_path", "check_store"]
+__all__ = ["FINDING_KINDS", "Finding", "Findings", "Progress", "check_path", "check_store"]
 
 Severity = Literal["error", "warning"]
 Progress = Callable[[int, int], None]
@@ -136,6 +143,15 @@ class Finding:
         }
 
 
+class Findings(list[Finding]):
+    """What ``check_store`` found. ``changed_while_checking`` counts the objects a
+    live writer changed under a read-only check (a segment it freed or reused, a
+    WAL file its checkpoint deleted, its spare segment): skipped, not reported,
+    because what the check read of them is no longer what is on disk."""
+
+    changed_while_checking: int = 0
+
+
 @dataclass(slots=True)
 class _Run:
     store: KVStore
@@ -143,6 +159,8 @@ class _Run:
     repair: bool
     progress: Progress | None
     findings: list[Finding] = field(default_factory=list)
+    changed: int = 0  # objects skipped as changed while checking (Findings)
+    live_writer: bool = False  # read-only beside a writer that may be running
 
     def add(self, severity: Severity, kind: str, message: str, **where: Any) -> Finding:
         finding = Finding(severity, kind, message, **where)
@@ -156,17 +174,22 @@ def check_store(
     deep: bool = False,
     repair: bool = False,
     progress: Progress | None = None,
-) -> list[Finding]:
+) -> Findings:
     """Check an open store; with ``repair=True`` (writable stores only) fix the safe things.
 
     Returns every finding, repaired ones marked ``repaired=True``. Raises
     ``ReadOnlyError`` for ``repair=True`` on a read-only store and
     ``ClosedError`` on a closed one; damage never raises.
+
+    A read-only store checks its view (one point in time, see KVStore.open);
+    beside a live writer, what the writer changed since is skipped and counted
+    (``Findings.changed_while_checking``), never reported as damage.
     """
     store._check_open()
     if repair and store.readonly:
         raise ReadOnlyError(f"store {store.root} was opened read-only; fsck cannot repair it")
     run = _Run(store, deep, repair, progress)
+    run.live_writer = _writer_may_be_live(store)
     run.findings.extend(_check_superblock(store.root, store.superblock.store_uuid))
     bad_page_keys = _check_index_values(run)
     tree_sound = not any(finding.kind == "index-unreadable" for finding in run.findings)
@@ -178,7 +201,9 @@ def check_store(
     _check_wal(run)
     if tree_sound:
         _check_retains(run)
-    return run.findings
+    findings = Findings(run.findings)
+    findings.changed_while_checking = run.changed
+    return findings
 
 
 def check_path(
@@ -261,7 +286,7 @@ def _scan_index(env: IndexEnv, root: Path) -> tuple[list[Finding], set[bytes]]:
         with env.read() as txn:
             # Walked first, inside the transaction (a live writer cannot reuse these
             # pages): a damaged tree would crash LMDB's own walk below.
-            problems = verify_lmdb_file(env.path / "data.mdb")
+            problems = _walk_index(env)
             if problems:
                 for problem in problems:
                     findings.append(Finding("error", "index-unreadable", problem, where))
@@ -296,6 +321,25 @@ def _scan_index(env: IndexEnv, root: Path) -> tuple[list[Finding], set[bytes]]:
     except lmdb.Error as e:
         findings.append(Finding("error", "index-unreadable", f"LMDB read failed: {e}", where))
     return findings, bad_page_keys
+
+
+def _walk_index(env: IndexEnv, attempts: int = 5) -> list[str]:
+    """``verify_lmdb_file``, redone while a live writer's commits overlap the walk
+    (the file grows past what was mapped, a meta page is rewritten under it)."""
+    problems: list[str] = []
+    for _ in range(attempts):
+        before = _txnid(env)
+        problems = verify_lmdb_file(env.path / "data.mdb")
+        if not problems or before is None or _txnid(env) == before:
+            return problems
+    return problems
+
+
+def _txnid(env: IndexEnv) -> int | None:
+    try:
+        return env.last_txnid()
+    except KVStoreError:
+        return None
 
 
 def _check_index_values(run: _Run) -> set[bytes]:
@@ -425,25 +469,32 @@ def _check_segment_headers(run: _Run) -> None:
                 segment_id=segment_id,
             )
             continue
-        block = AlignedBuffer(BLOCK_BYTES)
+        # Read as a registered reader, as a get does: GC may not free (close, or
+        # reuse) the segment's descriptor under the read.
+        if not _hold_segment(store, segment_id, segment):
+            continue  # freed since the listing: no longer the store's
         try:
-            count = os.preadv(segment.fd, [block.view], 0)
-            if count != BLOCK_BYTES:
-                raise CorruptionError(f"segment header: short read ({count} bytes)")
-            header = decode_segment_header(block.view)
-        except OSError as e:
-            run.add(
-                "error", "segment-header", f"cannot read: {e}", path=path, segment_id=segment_id
-            )
-            continue
-        except KVStoreError as e:
-            run.add("error", "segment-header", str(e), path=path, segment_id=segment_id)
+            header = _read_segment_header(segment.fd)
+            if run.live_writer and isinstance(header, str):
+                time.sleep(0.001)  # a live writer may be rewriting it (recycle_segment)
+                header = _read_segment_header(segment.fd)
+        finally:
+            with store._lock:
+                store._release_reader(segment_id)
+        if isinstance(header, str):
+            run.add("error", "segment-header", header, path=path, segment_id=segment_id)
             continue
         if (
             header.store_uuid != store.superblock.store_uuid
             or header.segment_id != segment_id
             or header.generation != state.generation
         ):
+            if run.live_writer and header.store_uuid == store.superblock.store_uuid:
+                # The writer freed this segment after the view was taken and reused
+                # its file under a new id and generation (a valid header of this
+                # store says so): nothing of this view is left in it to check.
+                run.changed += 1
+                continue
             run.add(
                 "error",
                 "segment-header",
@@ -452,6 +503,30 @@ def _check_segment_headers(run: _Run) -> None:
                 path=path,
                 segment_id=segment_id,
             )
+
+
+def _hold_segment(store: KVStore, segment_id: int, segment: Segment) -> bool:
+    """Register a read of ``segment`` if it is still the store's (release with
+    ``store._release_reader`` under the store lock)."""
+    with store._lock:
+        if store._segments.get(segment_id) is not segment:
+            return False
+        store._segment_readers[segment_id] += 1
+    return True
+
+
+def _read_segment_header(fd: int) -> SegmentHeader | str:
+    """The decoded header block of a segment, or why it cannot be had."""
+    block = AlignedBuffer(BLOCK_BYTES)
+    try:
+        count = os.preadv(fd, [block.view], 0)
+        if count != BLOCK_BYTES:
+            raise CorruptionError(f"segment header: short read ({count} bytes)")
+        return decode_segment_header(block.view)
+    except OSError as e:
+        return f"cannot read: {e}"
+    except KVStoreError as e:
+        return str(e)
 
 
 @dataclass(slots=True)
@@ -483,6 +558,9 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
                 if segment is not None and state is not None:
                     store._segment_readers[entry.segment_id] += 1
                     held[entry.segment_id] += 1
+            if segment is None and entry.segment_id in store._gone_segments:
+                run.changed += 1  # read-only: the live writer freed it before the open
+                continue
             if segment is None or state is None or state.generation != entry.generation:
                 finding = _record_finding(
                     run,
@@ -587,6 +665,9 @@ def _verify_targets(
         results = run_all(queue, requests)
         for target, buffer, result in zip(batch, buffers, results, strict=True):
             problem = _record_problem(run, target, buffer.view, result, buffer.capacity)
+            if problem is not None and _reused_since_view(run, target.entry):
+                run.changed += 1
+                continue
             if problem is not None:
                 kind, message = problem
                 where = {
@@ -601,6 +682,13 @@ def _verify_targets(
             done += batch_bytes
             if run.progress is not None:
                 run.progress(done, total)
+
+
+def _reused_since_view(run: _Run, entry: PageEntry) -> bool:
+    """Read-only beside a live writer: whether the writer has freed the segment of
+    ``entry`` since the view was taken and reused its file (then the record read
+    is no longer this view's, and not damage)."""
+    return run.live_writer and run.store.readonly and run.store._recycled_since_view(entry)
 
 
 def _record_problem(
@@ -705,6 +793,13 @@ def _check_files(run: _Run) -> None:
                     orphans.append((segment_id, Path(entry.path)))
         except OSError as e:
             run.add("error", "stray-file", f"cannot list {root / SEGMENTS_DIR}: {e}")
+        if run.live_writer:
+            # Beside a live writer a segment file this view does not know is the
+            # writer's: its spare (named by no WAL record until it is used, yet
+            # counted in the checkpoint's next_segment_id) or a file it freed or
+            # reused since the view. A writer removes real orphans when it opens.
+            run.changed += len(orphans)
+            orphans = []
         for segment_id, path in orphans:
             repaired = False
             if run.repair:
@@ -770,11 +865,24 @@ def _check_wal(run: _Run) -> None:
     lock = store._checkpoint_lock if not store.readonly else contextlib.nullcontext()
     with lock:
         checkpoint_lsn = store._checkpoint_lsn
-        run.findings.extend(_wal_findings(root, store.superblock.store_uuid, checkpoint_lsn))
+        wal_findings = _wal_findings(root, store.superblock.store_uuid, checkpoint_lsn)
+        if wal_findings and run.live_writer and store._view_moved():
+            # The writer checkpointed since the view and deleted the WAL files the
+            # view starts from (the view itself replayed them whole at open).
+            run.changed += len(wal_findings)
+            wal_findings = []
+        run.findings.extend(wal_findings)
         try:
             stale = [
                 (first, path) for first, path in list_wal_files(root) if first < checkpoint_lsn
             ]
+            if stale and run.live_writer:
+                # A writer deletes these right after the checkpoint that covers them
+                # commits: only files still there a moment later are stale.
+                time.sleep(0.05)
+                gone = [path for _, path in stale if not path.exists()]
+                run.changed += len(gone)
+                stale = [(first, path) for first, path in stale if path not in gone]
         except OSError:
             stale = []
         for _, path in stale:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -98,6 +99,7 @@ from kvstore.index.recovery import (
     apply_delete,
     apply_move,
     apply_put,
+    live_segments_now,
     recover_index,
 )
 from kvstore.index.table import (
@@ -121,6 +123,7 @@ from kvstore.log.segments import (
     create_segment,
     list_segment_files,
     open_segment,
+    read_segment_header,
     recycle_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
@@ -141,6 +144,9 @@ _T = TypeVar("_T")
 __all__ = ["KVStore"]
 
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
+# A read-only open takes a new view this many times while the writer's checkpoints
+# keep deleting the WAL files its view starts from.
+_VIEW_ATTEMPTS = 10
 
 
 def _key_bytes(key: object) -> bytes:
@@ -381,6 +387,7 @@ class KVStore:
         self._read_tokens = itertools.count()
         self._buffers = BufferPool()
         self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
+        self._live_now: dict[int, int] | None = None
         recovered = self._recover()
         self._table = recovered.table
         self._segment_states = recovered.segments
@@ -394,16 +401,16 @@ class KVStore:
         self._lease_until = self._next_lsn
         self._durable_lsn = self._next_lsn - 1
         self._segments: dict[int, Segment] = {}
+        # Read-only: segments of this view the live writer freed before they could
+        # be opened. Their pages are misses (docs/operations.md, "Readers").
+        self._gone_segments: set[int] = set()
         for segment_id, state in sorted(self._segment_states.items()):
-            self._segments[segment_id] = open_segment(
-                root,
-                segment_id,
-                state.generation,
-                state.head_bytes,
-                store_uuid=self.superblock.store_uuid,
-                direct=self.direct_io,
-                readonly=self.readonly,
-            )
+            segment = self._open_view_segment(segment_id, state)
+            if segment is None:
+                del self._segment_states[segment_id]
+                self._gone_segments.add(segment_id)
+            else:
+                self._segments[segment_id] = segment
         self._active: Segment | None = None
         self._retains: set[bytes] = recovered.retains
         self._dropped_segments: list[int] = list(recovered.dropped_segments)
@@ -445,6 +452,7 @@ class KVStore:
             "gc_pages_moved": 0,
             "segments_freed": 0,
             "wal_bytes_written": 0,
+            "stale_reads": 0,  # read-only: records freed by the writer since the view
         }
         self._last_checkpoint = time.monotonic()
         self._wal: WalWriter | None = None
@@ -475,24 +483,72 @@ class KVStore:
             self._gc_thread.start()
 
     def _recover(self) -> Recovered:
-        attempts = 3 if self.readonly else 1
+        """The index as of one point in time: for a read-only open, one pinned LMDB
+        read transaction and the WAL after its checkpoint (see ``_view_moved``)."""
+        attempts = _VIEW_ATTEMPTS if self.readonly else 1
         for attempt in range(attempts):
+            if self.readonly:
+                self._env.pin()
             try:
                 recovered = recover_index(self._env, self.root, self.superblock.store_uuid)
                 break
             except (CorruptionError, FileNotFoundError) as e:
-                # A read-only open can race the writer's checkpoint deleting WAL files.
-                if attempt == attempts - 1:
-                    if isinstance(e, FileNotFoundError):
-                        raise CorruptionError(
-                            f"a file of {self.root} vanished or is a dangling link "
-                            f"({e.filename}); run `kvstore recover PATH`"
-                        ) from e
-                    raise
-                time.sleep(0.05)
+                # A read-only open can race the writer's checkpoint deleting WAL files;
+                # that is a view that moved, never damage: take a new one.
+                if attempt < attempts - 1 and self.readonly and self._view_moved():
+                    continue
+                if isinstance(e, FileNotFoundError):
+                    raise CorruptionError(
+                        f"a file of {self.root} vanished or is a dangling link "
+                        f"({e.filename}); run `kvstore recover PATH`"
+                    ) from e
+                raise
         if not self.readonly:
             self._repair_after_crash(recovered)
         return recovered
+
+    def _view_moved(self) -> bool:
+        """Read-only: whether the writer has checkpointed since this view was pinned.
+
+        Only a checkpoint deletes WAL files, and only those below its own
+        ``checkpoint_lsn``: while the pinned checkpoint is still the newest, every
+        WAL file from it on must be there, so a failure to read them is damage.
+        """
+        try:
+            with self._env.read() as txn:
+                pinned = self._env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+            return self._env.fresh_meta(META_CHECKPOINT_LSN, 0) != pinned
+        except KVStoreError:
+            return False
+
+    def _open_view_segment(self, segment_id: int, state: SegmentState) -> Segment | None:
+        """Open a segment of the recovered index; None (read-only only) if the live
+        writer has freed it since the view was taken (its file gone or reused)."""
+        try:
+            return open_segment(
+                self.root,
+                segment_id,
+                state.generation,
+                state.head_bytes,
+                store_uuid=self.superblock.store_uuid,
+                direct=self.direct_io,
+                readonly=self.readonly,
+            )
+        except (CorruptionError, IOFailure) as e:
+            if not self.readonly or (isinstance(e, IOFailure) and e.errno != errno.ENOENT):
+                raise
+            # A state read earlier in this open may predate this free: one that says
+            # "freed" stays true (a segment id is never reused), "live" is re-read.
+            for fresh in (False, True):
+                if fresh or self._live_now is None:
+                    self._live_now = live_segments_now(
+                        self._env, self.root, self.superblock.store_uuid
+                    )
+                if self._live_now is not None and (
+                    self._live_now.get(segment_id) != state.generation
+                ):
+                    return None
+            raise  # still live (or cannot tell): the file really is missing or wrong
 
     def _repair_after_crash(self, recovered: Recovered) -> None:
         """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
@@ -1282,7 +1338,10 @@ class KVStore:
 
     def _entry(self, key: Key) -> tuple[bytes, PageEntry | None]:
         raw = _key_bytes(key)
-        return raw, self._table.get(raw)
+        entry = self._table.get(raw)
+        if entry is not None and self._gone_segments and entry.segment_id in self._gone_segments:
+            return raw, None  # read-only: freed by the live writer since this view
+        return raw, entry
 
     def _submit_read(
         self, queue: IOQueue, entry: PageEntry, token: int, direct: memoryview | None
@@ -1394,6 +1453,53 @@ class KVStore:
             raise CorruptionError(f"{where()}: payload checksum mismatch")
         return payload
 
+    def _checked(
+        self,
+        key: bytes,
+        entry: PageEntry,
+        view: memoryview,
+        result: int,
+        payload: memoryview | None = None,
+    ) -> memoryview | None:
+        """``_verify``, but for a read-only view a record the live writer has freed
+        and reused since the view was taken is a miss (None), not corruption."""
+        try:
+            return self._verify(key, entry, view, result, payload)
+        except CorruptionError:
+            if not self.readonly or not self._recycled_since_view(entry):
+                raise
+        with self._lock:
+            self._counters["stale_reads"] += 1
+        return None
+
+    def _recycled_since_view(self, entry: PageEntry) -> bool:
+        """Read-only: whether ``entry``'s segment file now has another identity.
+
+        A writer frees a segment and may reuse its file (``recycle_segment``):
+        the new header block is written, and synced, before anything else in the
+        file changes, so a record this view names can only have changed if the
+        header no longer names the view's segment id and generation. A header
+        that does not decode is read again once (a rewrite may be under way).
+        """
+        segment = self._segments.get(entry.segment_id)
+        if segment is None:
+            return False
+        for attempt in range(2):
+            try:
+                header = read_segment_header(segment.fd, segment.path)
+            except CorruptionError:
+                if attempt == 0:
+                    time.sleep(0.001)
+                    continue
+                return False
+            except IOFailure:
+                return False
+            return (header.segment_id, header.generation) != (
+                entry.segment_id,
+                entry.generation,
+            )
+        return False
+
     def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
         """Register reads on the segments holding ``wanted`` so GC cannot free them.
 
@@ -1499,10 +1605,11 @@ class KVStore:
             direct = directs.get(index)
             buffer, result = self._read_one(entry, direct)
             try:
-                payload = self._verify(key, entry, buffer.view, result, direct)
-                if direct is None:
-                    sink(index, payload)
-                results[index] = entry.payload_bytes
+                payload = self._checked(key, entry, buffer.view, result, direct)
+                if payload is not None:
+                    if direct is None:
+                        sink(index, payload)
+                    results[index] = entry.payload_bytes
             finally:
                 self._buffers.release(buffer)
             present = []
@@ -1520,10 +1627,11 @@ class KVStore:
                     buffer = buffers.pop(index)
                     try:
                         direct = directs.get(index)
-                        payload = self._verify(key, entry, buffer.view, result, direct)
-                        if direct is None:
-                            sink(index, payload)
-                        results[index] = entry.payload_bytes
+                        payload = self._checked(key, entry, buffer.view, result, direct)
+                        if payload is not None:
+                            if direct is None:
+                                sink(index, payload)
+                            results[index] = entry.payload_bytes
                     except KVStoreError as e:
                         error = error or e
                     finally:
@@ -1666,8 +1774,9 @@ class KVStore:
                             done = os.preadv(segment.fd, views, entry.offset)
                         except OSError as e:
                             done = -(e.errno or 5)
-                    payload = self._verify(raw, entry, view, done, direct)
-                    result = consume(payload, direct is not None)
+                    payload = self._checked(raw, entry, view, done, direct)
+                    if payload is not None:
+                        result = consume(payload, direct is not None)
                 finally:
                     if buffer is not None:
                         self._buffers.release(buffer)

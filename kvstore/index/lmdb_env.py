@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +26,8 @@ __all__ = ["IndexEnv", "decode_meta_u64", "encode_meta_u64", "lmdb_read_errors"]
 T = TypeVar("T")
 INITIAL_MAP_BYTES = 1 << 30
 VERIFY_ON_OPEN_MAX_BYTES = 4 << 20  # walk the B-tree at open up to this data.mdb size
+_WALK_ATTEMPTS = 5  # walks redone while a live writer's commits overlap them
+_ITER_CHUNK = 1024  # entries read per transaction by IndexEnv.iter_items
 _META = struct.Struct("<QQ")  # value, xxh3(key + value)
 
 
@@ -80,6 +83,11 @@ class IndexEnv:
     def __init__(self, path: Path, *, readonly: bool, create: bool = False) -> None:
         self.path = path
         self.readonly = readonly
+        # A read-only view's one read transaction (``pin``): every ``read`` reuses
+        # it, so all of the view's lookups see one point in time. LMDB lets a read
+        # transaction serve several threads only if they take turns: ``_pin_lock``.
+        self._pinned: Any = None
+        self._pin_lock = threading.RLock()
         try:
             self.env = lmdb.open(
                 str(path),
@@ -150,13 +158,21 @@ class IndexEnv:
         pages being checked. Larger indexes are walked by fsck only (the walk
         is Python, O(index size)).
         """
-        try:
-            if os.stat(self.path / "data.mdb").st_size > VERIFY_ON_OPEN_MAX_BYTES:
-                return
-            with self.env.begin(write=False):
-                problems = verify_lmdb_file(self.path / "data.mdb")
-        except (lmdb.Error, OSError) as e:
-            problems = [str(e)]
+        for _ in range(_WALK_ATTEMPTS):
+            try:
+                if os.stat(self.path / "data.mdb").st_size > VERIFY_ON_OPEN_MAX_BYTES:
+                    return
+                before = self.last_txnid()
+                with self.env.begin(write=False):
+                    problems = verify_lmdb_file(self.path / "data.mdb")
+                # A live writer committing during the walk can make the file look
+                # torn (it grew past the mapped length, a meta page was half
+                # written): only a walk no commit overlapped is believed.
+                moved = bool(problems) and self.last_txnid() != before
+            except (lmdb.Error, OSError) as e:
+                problems, moved = [str(e)], False
+            if not moved:
+                break
         if problems:
             self.env.close()
             raise CorruptionError(
@@ -164,9 +180,91 @@ class IndexEnv:
                 "run `kvstore recover PATH`"
             )
 
-    def read(self) -> Any:
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Any]:
+        """A read transaction: the pinned one (``pin``) if any, else a fresh one."""
+        if self._pinned is not None:
+            with self._pin_lock:
+                pinned = self._pinned
+                if pinned is not None:
+                    yield pinned
+                    return
         with lmdb_read_errors(self.path):
-            return self.env.begin(write=False, buffers=False)
+            txn = self.env.begin(write=False, buffers=False)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+
+    def pin(self) -> None:
+        """Fix every later ``read`` at the current point in time (a read-only view).
+
+        Holds one LMDB read transaction until ``unpin`` or ``close``: the writer
+        cannot reuse the pages it sees, so the view stays whole however far the
+        writer moves on (and its index file may grow while the view is held).
+        """
+        with self._pin_lock:
+            self.unpin()
+            with lmdb_read_errors(self.path):
+                self._pinned = self.env.begin(write=False, buffers=False)
+
+    def unpin(self) -> None:
+        with self._pin_lock:
+            pinned, self._pinned = self._pinned, None
+            if pinned is not None:
+                pinned.abort()
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned is not None
+
+    def get_pinned(self, key: bytes, db: Any) -> bytes | None:
+        """``key`` in ``db`` as the pinned transaction sees it (the lookup fast path)."""
+        with self._pin_lock:
+            pinned = self._pinned
+            if pinned is None:
+                with self.read() as txn:
+                    raw: bytes | None = txn.get(key, db=db)
+                return raw
+            return pinned.get(key, db=db)  # type: ignore[no-any-return]
+
+    def iter_items(self, db: Any, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) of ``db`` in key order, read ``_ITER_CHUNK`` at a time.
+
+        No transaction (nor the pin's lock) stays held while the caller works on
+        a chunk. Pinned, the chunks all come from the one view; unpinned, each
+        chunk is read at its own point in time (keys changed meanwhile may or
+        may not show). ``values=False`` yields empty values.
+        """
+        after: bytes | None = None
+        while True:
+            chunk: list[tuple[bytes, bytes]] = []
+            with self.read() as txn, lmdb_read_errors(self.path):
+                cursor = txn.cursor(db=db)
+                found = cursor.first() if after is None else cursor.set_range(after)
+                while found and len(chunk) < _ITER_CHUNK:
+                    key = bytes(cursor.key())
+                    if key != after:
+                        chunk.append((key, bytes(cursor.value()) if values else b""))
+                    found = cursor.next()
+            if not chunk:
+                return
+            yield from chunk
+            after = chunk[-1][0]
+
+    def last_txnid(self) -> int:
+        """The id of the newest committed write transaction (what a fresh read sees)."""
+        with lmdb_read_errors(self.path):
+            return int(self.env.info()["last_txnid"])
+
+    def fresh_meta(self, key: bytes, default: int) -> int:
+        """A meta value as of now, bypassing the pin (has a live writer moved on?)."""
+        with lmdb_read_errors(self.path):
+            txn = self.env.begin(write=False, buffers=False)
+        try:
+            return self.get_meta(txn, key, default)
+        finally:
+            txn.abort()
 
     def write(self, body: Callable[[Any], T]) -> T:
         """Run ``body(txn)`` in one write transaction, growing the map when full."""
@@ -185,4 +283,6 @@ class IndexEnv:
         return default if raw is None else decode_meta_u64(key, raw)
 
     def close(self) -> None:
+        with contextlib.suppress(lmdb.Error):
+            self.unpin()
         self.env.close()

@@ -11,12 +11,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import CorruptionError, IOFailure
-from kvstore.format.constants import BLOCK_BYTES, SEQUENCE_LIMIT, record_span
+from kvstore.format.constants import (
+    BLOCK_BYTES,
+    SEQUENCE_LIMIT,
+    WAL_SEGMENT_FREE,
+    WAL_SEGMENT_OPEN,
+    record_span,
+)
 from kvstore.format.entries import (
     SEGMENT_ACTIVE,
     SEGMENT_SEALED,
     EntryLimits,
     PageEntry,
+    decode_segment_entry,
+    segment_key,
     validate_page_entry,
 )
 from kvstore.format.names import SUPERBLOCK_NAME
@@ -33,7 +41,7 @@ from kvstore.format.wal import (
     WalRecord,
     decode_body,
 )
-from kvstore.index.lmdb_env import IndexEnv
+from kvstore.index.lmdb_env import IndexEnv, lmdb_read_errors
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -45,7 +53,14 @@ from kvstore.index.table import (
 )
 from kvstore.log.wal import WalFile, read_wal_chain
 
-__all__ = ["Recovered", "apply_delete", "apply_move", "apply_put", "recover_index"]
+__all__ = [
+    "Recovered",
+    "apply_delete",
+    "apply_move",
+    "apply_put",
+    "live_segments_now",
+    "recover_index",
+]
 
 
 @dataclass(slots=True)
@@ -194,6 +209,51 @@ def recover_index(
     issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
     recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
     return recovered
+
+
+def live_segments_now(
+    env: IndexEnv, root: Path, store_uuid: bytes, attempts: int = 5
+) -> dict[int, int] | None:
+    """Segment id -> generation as of now, past any pin on ``env``; None if unknown.
+
+    For a read-only view beside a live writer: the writer logs SEGMENT_FREE
+    durably before it removes or reuses a segment's file, so a segment of the
+    view whose file is gone or reused is freed in this newer state, while a
+    segment that is live here really is missing or damaged. Reads a fresh LMDB
+    checkpoint and the segment records of the WAL after it (retried while the
+    writer's checkpoints delete the files being read).
+    """
+    for _ in range(attempts):
+        try:
+            with lmdb_read_errors(env.path):
+                txn = env.env.begin(write=False, buffers=False)
+            try:
+                checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+                with lmdb_read_errors(env.path):
+                    raw = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=env.segments)]
+            finally:
+                txn.abort()
+            live = {}
+            for raw_key, raw_value in raw:
+                segment_id = int.from_bytes(raw_key, "big")
+                if len(raw_key) == 8 and raw_key == segment_key(segment_id):
+                    live[segment_id] = decode_segment_entry(segment_id, raw_value).generation
+            for wal_file in read_wal_chain(root, store_uuid, checkpoint_lsn):
+                for record in wal_file.records:
+                    if record.record_type not in (WAL_SEGMENT_OPEN, WAL_SEGMENT_FREE):
+                        continue
+                    body = decode_body(record)
+                    if isinstance(body, SegmentOpenBody):
+                        live[body.segment_id] = body.generation
+                    elif (
+                        isinstance(body, SegmentFreeBody)
+                        and live.get(body.segment_id) == body.generation
+                    ):
+                        del live[body.segment_id]
+        except (CorruptionError, FileNotFoundError):
+            continue  # a checkpoint moved on meanwhile (or damage: give up below)
+        return live
+    return None
 
 
 def _check_sequence(what: str, value: int) -> None:

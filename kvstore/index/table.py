@@ -140,7 +140,11 @@ class PageTable:
                 return found
 
     def _lmdb_get(self, key: bytes) -> bytes | None:
-        """The checkpointed value of ``key``: one short read transaction, no wrappers."""
+        """The checkpointed value of ``key``: one short read transaction, no wrappers
+        (a read-only view's pinned transaction, when it has one)."""
+        if self.env.pinned:
+            with lmdb_read_errors(self.env.path):
+                return self.env.get_pinned(key, self.env.pages)
         try:
             txn = self.env.env.begin(write=False, buffers=False)
             try:
@@ -190,11 +194,9 @@ class PageTable:
         if frozen is not None:
             overlay.update(frozen)
         overlay.update(self.active)
-        with self.env.read() as txn, lmdb_read_errors(self.env.path):
-            cursor = txn.cursor(db=self.env.pages)
-            for key in cursor.iternext(keys=True, values=False):
-                if key not in overlay:
-                    yield bytes(key)
+        for key, _ in self.env.iter_items(self.env.pages, values=False):
+            if key not in overlay:
+                yield key
         for key, slot in overlay.items():
             if isinstance(slot, PageEntry):
                 yield key

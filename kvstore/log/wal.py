@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -130,18 +131,25 @@ class WalFile:
     torn_tail: str | None  # why the tail was cut, if it was
 
 
-def _read_wal_file(path: Path) -> bytes:
-    """The bytes of one WAL file; anything but a regular file is corruption.
+def _open_wal_file(path: Path) -> int:
+    """A descriptor of one WAL file (non-blocking: a FIFO in its place cannot hang).
 
     FileNotFoundError passes through as is: a read-only open retries it (the
     writer's checkpoint may have deleted the file since the listing).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
     except OSError as e:
         raise IOFailure(f"cannot open WAL file {path}", e.errno) from e
+
+
+def _read_wal_file(path: Path, fd: int | None = None) -> bytes:
+    """The bytes of one WAL file (from ``fd`` if given; closed either way);
+    anything but a regular file is corruption."""
+    if fd is None:
+        fd = _open_wal_file(path)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -176,10 +184,33 @@ def read_wal_chain(root: Path, store_uuid: bytes, start_lsn: int) -> list[WalFil
             f"WAL file {wal_path(root, start_lsn).name} named by the checkpoint is missing; "
             "run `kvstore recover PATH`"
         )
+    # Every file is opened before any is read: a live writer's checkpoint may
+    # delete them while this replays, and an open file stays readable.
+    fds: list[int] = []
+    try:
+        for _, path in files:
+            fds.append(_open_wal_file(path))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    try:
+        return _read_chain(files, fds, store_uuid)
+    finally:
+        for fd in fds:  # those not read (a damaged file stops the chain)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _read_chain(files: list[tuple[int, Path]], fds: list[int], store_uuid: bytes) -> list[WalFile]:
+    """Read and check each file of ``files`` in turn (``fds[i]`` is set to -1 once
+    ``_read_wal_file`` has taken, and closed, it)."""
     chain: list[WalFile] = []
     for position, (first, path) in enumerate(files):
         is_last = position == len(files) - 1
-        data = _read_wal_file(path)
+        fd, fds[position] = fds[position], -1
+        data = _read_wal_file(path, fd)
         try:
             header = decode_wal_file_header(data)
         except CorruptionError:

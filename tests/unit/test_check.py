@@ -18,11 +18,13 @@ import lmdb
 import pytest
 from click.testing import CliRunner
 
+import kvstore.check as check_module
 from kvstore import KVStore
 from kvstore.check import FINDING_KINDS, Finding, check_store
 from kvstore.cli import main
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.names import INDEX_DIR, segment_path
+from kvstore.io.buffers import AlignedBuffer
 from kvstore.log.wal import list_wal_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -245,6 +247,33 @@ def test_missing_wal_file_in_the_middle(open_store: OpenStore, store_path: Path)
     middle.unlink()
     [finding] = check_store(store)
     assert finding.kind == "wal-chain" and "chain broken" in finding.message
+
+
+def test_check_reads_segment_headers_as_a_registered_reader(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(gc_interval_s=0)
+    names = [f"p{index:02d}" for index in range(30)]
+    store.put_many([(name, page(index, 65536)) for index, name in enumerate(names)])
+    first = [name for name in names if (info := store.info(name)) and info.segment_id == 1]
+    for key in first:
+        store.delete(key)
+    store.flush()  # segment 1 is sealed and empty: the next GC pass frees it
+    freed = []
+
+    def gc_before_the_first_read(size: int) -> AlignedBuffer:
+        if not freed:  # GC runs just as check() reads segment 1's header
+            freed.append(store.gc().segments_freed)
+        return AlignedBuffer(size)
+
+    monkeypatch.setattr(check_module, "AlignedBuffer", gc_before_the_first_read)
+    # Before: GC freed segment 1 under the read, which then read a closed (or
+    # reused) descriptor: a false segment-header finding (EBADF, or the header
+    # of the file the descriptor now belongs to).
+    assert store.check() == []
+    assert freed == [0]  # the registered read kept GC off segment 1
+    assert store.gc().segments_freed == 1  # and released it afterwards
+    assert store.check() == []
 
 
 # -- CLI -----------------------------------------------------------------------------
