@@ -71,6 +71,7 @@ import argparse
 import dataclasses
 import faulthandler
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -85,7 +86,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 import kvstore
@@ -131,8 +131,9 @@ def page_size(key: str, version: int) -> int:
 
 
 def page_bytes(key: str, version: int) -> bytes:
-    seed = xxhash.xxh64_intdigest(f"page/{key}/{version}".encode())
-    return np.random.default_rng(seed).bytes(page_size(key, version))
+    # SHAKE-128 from the standard library: pseudo-random bytes without numpy, whose
+    # import was a good part of each child's start-up.
+    return hashlib.shake_128(f"page/{key}/{version}".encode()).digest(page_size(key, version))
 
 
 def page_meta(key: str, version: int) -> dict[str, Any] | None:
