@@ -1708,7 +1708,8 @@ class KVStore:
         buffer by the device, and verified there. Otherwise the page is read into
         an aligned pool buffer, verified, and copied. Only the page's bytes are
         written either way. If the read fails (``IOFailure``, ``CorruptionError``)
-        the buffer's first ``payload_bytes`` are unspecified.
+        the buffer's first ``payload_bytes`` are unspecified, and so they are after
+        a read-only view's miss of a page the live writer freed and reused since.
         """
         self._check_open()
         target = _writable_view(buffer)

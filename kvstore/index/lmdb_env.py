@@ -169,7 +169,7 @@ class IndexEnv:
                 # torn (it grew past the mapped length, a meta page was half
                 # written): only a walk no commit overlapped is believed.
                 moved = bool(problems) and self.last_txnid() != before
-            except (lmdb.Error, OSError) as e:
+            except (lmdb.Error, OSError, CorruptionError, IOFailure) as e:
                 problems, moved = [str(e)], False
             if not moved:
                 break
