@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 import numpy as np
@@ -40,7 +40,7 @@ from rich.progress import (
 from rich.table import Table
 
 from kvstore.bench.cli import bench as bench_command
-from kvstore.check import Finding, check_path, check_store
+from kvstore.check import Finding, Findings, check_path, check_store
 from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, LockedError
 from kvstore.format.names import SUPERBLOCK_NAME
 from kvstore.store import KVStore
@@ -214,17 +214,26 @@ def fsck_exit_code(findings: list[Finding]) -> int:
     return FSCK_CLEAN
 
 
-def _run_fsck(store: KVStore, *, deep: bool, repair: bool, quiet: bool) -> list[Finding]:
-    findings = [_recovery_finding(note) for note in store.recovery_notes]
+def _run_fsck(store: KVStore, *, deep: bool, repair: bool, quiet: bool) -> Findings:
+    findings = Findings(_recovery_finding(note) for note in store.recovery_notes)
     if not deep or quiet:
-        return findings + check_store(store, deep=deep, repair=repair)
-    with _progress(err_console) as progress:
-        task = progress.add_task("verify payloads", total=None)
+        checked = check_store(store, deep=deep, repair=repair)
+    else:
+        with _progress(err_console) as progress:
+            task = progress.add_task("verify payloads", total=None)
 
-        def report(done_bytes: int, total_bytes: int) -> None:
-            progress.update(task, completed=done_bytes, total=total_bytes)
+            def report(done_bytes: int, total_bytes: int) -> None:
+                progress.update(task, completed=done_bytes, total=total_bytes)
 
-        return findings + check_store(store, deep=True, repair=repair, progress=report)
+            checked = check_store(store, deep=True, repair=repair, progress=report)
+    findings.extend(checked)
+    findings.changed_while_checking = checked.changed_while_checking
+    if checked.changed_while_checking:  # a live writer beside a read-only check
+        err_console.print(
+            f"note: {checked.changed_while_checking} objects a live writer changed while "
+            "checking were skipped (docs/operations.md, fsck beside a writer)"
+        )
+    return findings
 
 
 def _recovery_finding(note: str) -> Finding:
@@ -315,6 +324,73 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
         if report.moved_aside:
             console.print(f"  moved aside: {', '.join(report.moved_aside)}")
     sys.exit(RECOVER_LOST if report.lost else RECOVER_OK)
+
+
+# -- gc ----------------------------------------------------------------------
+
+
+@main.command("gc")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option(
+    "--full", is_flag=True, help="First recompute every segment's live bytes (mark and sweep)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the GC report as JSON.")
+def gc_command(path: Path, full: bool, as_json: bool) -> None:
+    """Run one GC pass on the store at PATH and print what it did.
+
+    Frees empty segments, compacts sparse ones and, over the capacity, evicts
+    down to the low watermark; with --full it first recomputes every segment's
+    live bytes and pages from the page table and fixes any drift. It opens the
+    store as the writer: while another process writes to the store it refuses
+    (exit 3), as that writer's own GC thread runs these passes.
+
+    \b
+    Exit codes:
+      0  the pass ran
+      3  another process holds the writer lock: nothing was done
+      4  the store is damaged (it refuses to open; see kvstore fsck)
+      8  operational error: no store at PATH, I/O failure, newer format version
+    """
+    import dataclasses
+
+    from rich.markup import escape
+
+    def failed(error: BaseException, code: int, prefix: str, message: str) -> NoReturn:
+        err_console.print(f"{prefix} {escape(message)}")
+        if as_json:  # the shape every --json command prints on an error
+            described = {"type": type(error).__name__, "message": message}
+            click.echo(json.dumps({"error": described, "exit_code": code}, indent=2))
+        sys.exit(code)
+
+    try:
+        with KVStore.open(path, gc_interval_s=0) as store:  # this pass only, no GC thread
+            if as_json:
+                report = store.gc(full=full)
+            else:
+                label = "GC pass (mark and sweep first)" if full else "GC pass"
+                with err_console.status(f"{label} on {path} ..."):
+                    report = store.gc(full=full)
+    except LockedError as e:
+        message = (
+            f"not run: {e.args[0]}. kvstore gc needs the writer lock; the running writer's "
+            "own GC thread (gc_interval_s) does these passes, or call store.gc() in it"
+        )
+        failed(e, EXIT_LOCKED, "[yellow]refused:[/yellow]", message)
+    except CorruptionError as e:
+        failed(e, EXIT_CORRUPT, "[red]corruption:[/red]", str(e))
+    except (KVStoreError, ValueError) as e:
+        failed(e, EXIT_OPERATIONAL, "[red]error:[/red]", str(e))
+    if as_json:
+        click.echo(json.dumps({"path": str(path), "full": full, **dataclasses.asdict(report)}))
+        return
+    table = Table(title=f"kvstore gc {path}{' --full' if full else ''}", show_header=False)
+    for name, value in dataclasses.asdict(report).items():
+        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else _human(name, value))
+    console.print(table)
+    console.print(
+        f"freed {report.segments_freed} segments, moved {report.pages_moved} pages, "
+        f"evicted {report.pages_evicted} pages in {report.seconds:.2f} s"
+    )
 
 
 # -- wear, metrics, report ---------------------------------------------------

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         original_open = crashloop.open_store
 
         def open_store(path: Path, segment_bytes: int, **options: Any) -> Any:
-            return original_open(path, segment_bytes, io_engine=parent_engine, **options)
+            options["io_engine"] = parent_engine  # over crashloop's --engine, if given
+            return original_open(path, segment_bytes, **options)
 
         crashloop.open_store = open_store
     tally = {"fsck_runs": 0, "fsck_findings": 0, "fsck_examples": []}
