@@ -54,6 +54,8 @@ PROFILES_DIR = REPO / "fio_profiles"
 FIO_PROFILES = (
     "seq_write_1m",
     "seq_write_256k",
+    "seq_write_1m_sync32",
+    "seq_write_256k_sync32",
     "randread_256k_qd32",
     "randread_256k_qd1",
     "randread_256k_qd1_psync",
@@ -108,6 +110,10 @@ EXTRA_ROWS = (
      "randread_256k_qd1_psync", "read_clat_p50_us", "p50_us", "us"),
     ("get", "get 256 KiB p99 latency (vs fio clat p99)", "randread_256k_qd1",
      "read_clat_p99_us", "p99_us", "us"),
+    ("put_1m", "durable put 1 MiB vs fio fdatasync every 32 writes (same durability)",
+     "seq_write_1m_sync32", "write_mbps", "mbps", "MB/s"),
+    ("put_256k", "durable put 256 KiB vs fio fdatasync every 32 writes (same durability)",
+     "seq_write_256k_sync32", "write_mbps", "mbps", "MB/s"),
     ("put_1m", "put 1 MiB: batch (32 MiB) latency p50", "seq_write_1m", None, "batch_p50_ms", "ms"),
     ("put_256k", "put 256 KiB: batch (8 MiB) latency p50", "seq_write_256k", None, "batch_p50_ms",
      "ms"),
@@ -970,7 +976,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_recheck_phase(args, bench_dir, size_mib, runtime, recheck_results)
     finally:
         if not args.keep:
-            for name in ("fio-read.dat", "fio-seqwrite-1m.dat", "fio-seqwrite-256k.dat"):
+            for name in (
+                "fio-read.dat",
+                "fio-seqwrite-1m.dat",
+                "fio-seqwrite-256k.dat",
+                "fio-seqwrite-1m-sync32.dat",
+                "fio-seqwrite-256k-sync32.dat",
+            ):
                 (bench_dir / name).unlink(missing_ok=True)
             os.sync()
 
