@@ -70,6 +70,7 @@ from kvstore.index.table import META_CHECKPOINT_LSN, META_PAGE_COUNT, Tombstone
 from kvstore.io.buffers import AlignedBuffer
 from kvstore.io.engine import run_all
 from kvstore.io.files import fsync_dir
+from kvstore.log.regular import read_regular
 from kvstore.log.wal import list_wal_files, read_wal_chain
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ FINDING_KINDS = (
     "retain-dangling",
     "open-failed",
     "recovery",
+    "operational",  # printed by `kvstore fsck --json` when it exits 8
 )
 """Every ``Finding.kind``; each is explained in docs/operations.md."""
 
@@ -252,9 +254,8 @@ def check_path(
 
 
 def _read_superblock(path: Path) -> bytes:
-    """The first block of ``KVSTORE``: never more, whatever the name points at."""
-    with open(path, "rb") as handle:
-        return handle.read(BLOCK_BYTES)
+    """The first block of ``KVSTORE``: never more, and never from a FIFO or device."""
+    return read_regular(path, BLOCK_BYTES)
 
 
 def _check_superblock(root: Path, store_uuid: bytes | None) -> list[Finding]:
@@ -831,8 +832,8 @@ def _writer_may_be_live(store: KVStore) -> bool:
     if not store.readonly:
         return False
     try:
-        pid = int((store.root / LOCK_NAME).read_text().strip() or "0")
-    except (OSError, ValueError):
+        pid = int(read_regular(store.root / LOCK_NAME, 64).strip() or b"0")
+    except (OSError, ValueError, KVStoreError):
         return True  # cannot tell: be conservative
     if pid <= 0 or pid == os.getpid():
         return False  # this process cannot hold a writer beside its read-only open

@@ -3,13 +3,19 @@
 Exit codes (documented in README.md and docs/operations.md):
     0  success
     1  a key was not found (``get``)
-    2  usage error (click's own)
+    2  usage error (click's own, a key or meta the store refuses, ``init`` of an
+       existing store)
     3  the store is locked by another writer
     4  corruption was found
     8  operational error (I/O failure, missing store, bad format version)
 
 ``fsck`` has its own codes, after e2fsck: 0 clean, 1 errors corrected,
-4 errors left uncorrected, 8 operational error (cannot open, lock held).
+4 errors left uncorrected, 8 operational error (cannot open, lock held,
+newer format version). ``recover``: 0, 4 pages dropped, 8 operational.
+
+With ``--json`` a command prints JSON whatever its exit code: on an error, an
+object ``{"error": {"type", "message"}, "exit_code"}`` (``fsck``: its findings
+list, holding one finding of kind ``operational``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -41,13 +48,14 @@ from rich.table import Table
 
 from kvstore.bench.cli import bench as bench_command
 from kvstore.check import Finding, Findings, check_path, check_store
-from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, LockedError
+from kvstore.errors import CorruptionError, KVStoreError, LockedError
 from kvstore.format.names import SUPERBLOCK_NAME
 from kvstore.store import KVStore
 
 __all__ = ["main"]
 
 EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
 EXIT_LOCKED = 3
 EXIT_CORRUPT = 4
 EXIT_OPERATIONAL = 8
@@ -57,20 +65,39 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def error_json(error: BaseException, exit_code: int) -> dict[str, object]:
+    """What ``--json`` prints when a command fails (docs/operations.md)."""
+    return {
+        "error": {"type": type(error).__name__, "message": str(error)},
+        "exit_code": exit_code,
+    }
+
+
+def _exit_code_of(error: BaseException) -> int:
+    if isinstance(error, LockedError):
+        return EXIT_LOCKED
+    if isinstance(error, CorruptionError):
+        return EXIT_CORRUPT
+    if isinstance(error, KVStoreError):
+        return EXIT_OPERATIONAL
+    return EXIT_USAGE  # ValueError / TypeError: a key, meta or option the store refuses
+
+
 @contextmanager
-def _errors() -> Iterator[None]:
-    """Turn library errors into a one-line message and a documented exit code."""
+def _errors(as_json: bool = False) -> Iterator[None]:
+    """Turn library errors into a one-line message and a documented exit code.
+
+    With ``as_json`` the error is also printed to stdout as ``error_json``.
+    """
     try:
         yield
-    except LockedError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        sys.exit(EXIT_LOCKED)
-    except CorruptionError as e:
-        err_console.print(f"[red]corruption:[/red] {e}")
-        sys.exit(EXIT_CORRUPT)
-    except KVStoreError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        sys.exit(EXIT_OPERATIONAL)
+    except (KVStoreError, ValueError, TypeError) as e:
+        code = _exit_code_of(e)
+        label = "corruption" if code == EXIT_CORRUPT else "error"
+        err_console.print(f"[red]{label}:[/red] {escape(str(e))}")
+        if as_json:
+            click.echo(json.dumps(error_json(e, code), indent=2))
+        sys.exit(code)
 
 
 @click.group()
@@ -87,7 +114,7 @@ def init(path: Path, segment_mib: int, max_page_mib: int) -> None:
     """Create an empty store at PATH."""
     with _errors():
         if (path / SUPERBLOCK_NAME).exists():
-            raise click.ClickException(f"{path} already holds a kvstore")
+            raise click.UsageError(f"{path} already holds a kvstore")
         with KVStore.open(
             path, create=True, segment_bytes=segment_mib << 20, max_page_bytes=max_page_mib << 20
         ) as store:
@@ -103,7 +130,7 @@ def stat(path: Path, as_json: bool) -> None:
     Includes the lifetime telemetry: host_bytes, store_bytes (by kind),
     write_amplification, dwpd over 1h/24h/7d (see docs/operations.md, "Wear").
     """
-    with _errors(), KVStore.open(path, readonly=True) as store:
+    with _errors(as_json), KVStore.open(path, readonly=True) as store:
         stats = store.stats().as_dict()
         if as_json:
             click.echo(json.dumps(stats, indent=2, sort_keys=True))
@@ -134,8 +161,10 @@ def _human(name: str, value: object) -> str:
 def put(path: Path, key: str, source: Any, meta: str | None) -> None:
     """Store the bytes of SOURCE (a file, or - for stdin) under KEY, durably."""
     data = source.read()
-    with _errors(), KVStore.open(path) as store:
-        store.put(key, data, meta=json.loads(meta) if meta else None, sync=True)
+    with _errors():
+        parsed = json.loads(meta) if meta else None  # a JSONDecodeError is a usage error
+        with KVStore.open(path) as store:
+            store.put(key, data, meta=parsed, sync=True)
         console.print(f"stored {len(data)} bytes under {key!r}")
 
 
@@ -177,27 +206,24 @@ def fsck(path: Path, deep: bool, repair: bool, as_json: bool) -> None:
       0  no errors found
       1  errors were found and all of them corrected
       4  errors were left uncorrected
-      8  operational error: no store, lock held by a writer, I/O failure
+      8  operational error: no store, lock held by a writer, a newer format
+         version, I/O failure
     """
     try:
-        store = KVStore.open(path, readonly=not repair)
-    except (CorruptionError, FormatVersionError) as e:
-        # The store refuses to open: check what can be checked without opening it.
         try:
+            store = KVStore.open(path, readonly=not repair)
+        except CorruptionError as e:
+            # The store refuses to open: check what can be checked without opening it.
             findings = check_path(path, open_error=e)
-        except KVStoreError as inner:
-            err_console.print(f"[red]error:[/red] {inner}")
-            sys.exit(FSCK_OPERATIONAL)
-    except KVStoreError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        sys.exit(FSCK_OPERATIONAL)
-    else:
-        try:
+        else:
             with store:
                 findings = _run_fsck(store, deep=deep, repair=repair, quiet=as_json)
-        except KVStoreError as e:
-            err_console.print(f"[red]error:[/red] {e}")
-            sys.exit(FSCK_OPERATIONAL)
+    except (KVStoreError, ValueError) as e:  # FormatVersionError too: exit 8, as README says
+        err_console.print(f"[red]error:[/red] {escape(str(e))}")
+        if as_json:
+            failed = Finding("error", "operational", str(e), str(path))
+            click.echo(json.dumps([failed.as_dict()], indent=2))
+        sys.exit(FSCK_OPERATIONAL)
     if as_json:
         click.echo(json.dumps([finding.as_dict() for finding in findings], indent=2))
     else:
@@ -307,7 +333,9 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
     try:
         report = recover_store(path, salvage=salvage, dry_run=dry_run)
     except KVStoreError as e:
-        err_console.print(f"[red]error:[/red] {e}")
+        err_console.print(f"[red]error:[/red] {escape(str(e))}")
+        if as_json:
+            click.echo(json.dumps(error_json(e, RECOVER_OPERATIONAL), indent=2))
         sys.exit(RECOVER_OPERATIONAL)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
@@ -430,7 +458,7 @@ def wear(
     from kvstore.telemetry.smart import read_smart
     from kvstore.telemetry.wear import detect_drive
 
-    with _errors():
+    with _errors(as_json):
         snapshot = read_snapshot(path, device=device, capacity_bytes=capacity_bytes)
         if rated_dwpd is not None or warranty_years is not None:
             settings = snapshot.wear
@@ -620,7 +648,7 @@ def demo(path: Path, layers: int, blocks: int) -> None:
 def _run_demo(path: Path, layers: int, blocks: int) -> None:
     if path.exists():
         if not (path / SUPERBLOCK_NAME).exists() and any(path.iterdir()):
-            raise click.ClickException(f"{path} exists and is not a kvstore; pick another --path")
+            raise click.UsageError(f"{path} exists and is not a kvstore; pick another --path")
         shutil.rmtree(path)
     page_bytes = int(np.prod(_DEMO_SHAPE)) * 2
     total = layers * blocks
@@ -690,7 +718,8 @@ def _run_demo(path: Path, layers: int, blocks: int) -> None:
         f"{survivors} pages in the store"
     )
     if mismatches or lost or intact != total:
-        raise click.ClickException("the demo found lost or wrong pages")
+        err_console.print("[red]corruption:[/red] the demo found lost or wrong pages")
+        sys.exit(EXIT_CORRUPT)
     console.print("[green]ok[/green]: every acknowledged page survived, verified byte for byte")
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.format.constants import BLOCK_BYTES, MAX_PAGE_BYTES_LIMIT
+from kvstore.format.constants import BLOCK_BYTES, MAX_PAGE_BYTES_LIMIT, MAX_SEGMENT_BYTES
 
 __all__ = ["StoreConfig"]
 
 MIB = 1 << 20
+MAX_IO_DEPTH = 32768  # the kernel's limit on io_uring submission queue entries
+MAX_LSN_LEASE_STEP = 1 << 32  # leases stay far below SEQUENCE_LIMIT (2**62)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,18 +60,26 @@ class StoreConfig:
     max_dwpd_burst_s: float = 10.0  # the budget's bucket holds this many seconds of writes
 
     def validate(self) -> None:
-        if self.segment_bytes % BLOCK_BYTES or self.segment_bytes < 4 * BLOCK_BYTES:
+        """Check every field; TypeError or ValueError naming the field and its value.
+
+        The names of the I/O engine, the io_uring binding and the eviction policy
+        are checked by ``KVStore.open`` (they live in higher layers), before
+        anything is created on disk.
+        """
+        _integer("segment_bytes", self.segment_bytes, low=4 * BLOCK_BYTES, high=MAX_SEGMENT_BYTES)
+        if self.segment_bytes % BLOCK_BYTES:
             raise ValueError(
-                f"segment_bytes must be a multiple of {BLOCK_BYTES} and at least "
-                f"{4 * BLOCK_BYTES}, got {self.segment_bytes}"
+                f"segment_bytes must be a multiple of {BLOCK_BYTES}, got {self.segment_bytes!r}"
             )
-        if not 0 < self.max_page_bytes <= MAX_PAGE_BYTES_LIMIT:
-            raise ValueError(f"max_page_bytes must be 1..{MAX_PAGE_BYTES_LIMIT}")
+        _integer("max_page_bytes", self.max_page_bytes, low=1, high=MAX_PAGE_BYTES_LIMIT)
         if self.max_page_bytes + 2 * BLOCK_BYTES > self.segment_bytes:
             raise ValueError(
                 f"max_page_bytes ({self.max_page_bytes}) must fit in a segment "
                 f"({self.segment_bytes} bytes) with its header"
             )
+        _integer("low_watermark_segments", self.low_watermark_segments, low=1)
+        _integer("gc_reserve_segments", self.gc_reserve_segments, low=1)
+        _integer("capacity_bytes", self.capacity_bytes, low=1, optional=True)
         if self.capacity_bytes is not None:
             needed = (self.low_watermark_segments + self.gc_reserve_segments + 2) * (
                 self.segment_bytes
@@ -79,22 +90,77 @@ class StoreConfig:
                     f"{needed // self.segment_bytes} segments of {self.segment_bytes} bytes "
                     "(watermark + GC reserve + 2); use smaller segments"
                 )
-        if not 0.0 <= self.gc_live_ratio <= 1.0:
-            raise ValueError("gc_live_ratio must be between 0 and 1")
-        if self.low_watermark_segments < 1 or self.gc_reserve_segments < 1:
-            raise ValueError("low_watermark_segments and gc_reserve_segments must be >= 1")
-        if self.flush_interval_ms <= 0 or self.io_depth < 1 or self.lsn_lease_step < 1:
-            raise ValueError("flush_interval_ms, io_depth and lsn_lease_step must be positive")
-        if self.read_poll_us < 0:
-            raise ValueError(f"read_poll_us must be >= 0, got {self.read_poll_us}")
-        if self.telemetry_flush_interval_s <= 0 or self.telemetry_retention_hours < 30 * 24:
-            raise ValueError(
-                "telemetry_flush_interval_s must be positive and telemetry_retention_hours "
-                "at least 720 (30 days)"
+        _number("flush_interval_ms", self.flush_interval_ms, above=0.0)
+        _integer("checkpoint_wal_bytes", self.checkpoint_wal_bytes, low=1)
+        _number("checkpoint_interval_s", self.checkpoint_interval_s, above=0.0)
+        _text("io_engine", self.io_engine)
+        _text("uring_binding", self.uring_binding)
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise TypeError(f"direct_io must be True, False or None, got {self.direct_io!r}")
+        _integer("io_depth", self.io_depth, low=1, high=MAX_IO_DEPTH)
+        _integer("read_poll_us", self.read_poll_us, low=0)
+        _integer("lsn_lease_step", self.lsn_lease_step, low=1, high=MAX_LSN_LEASE_STEP)
+        _text("eviction_policy", self.eviction_policy)
+        _number("gc_live_ratio", self.gc_live_ratio, low=0.0, high=1.0)
+        _number("gc_interval_s", self.gc_interval_s, low=0.0)
+        _number("telemetry_flush_interval_s", self.telemetry_flush_interval_s, above=0.0)
+        _integer("telemetry_retention_hours", self.telemetry_retention_hours, low=30 * 24)
+        if self.telemetry_clock is not None and not callable(self.telemetry_clock):
+            raise TypeError(
+                f"telemetry_clock must be a callable or None, got {self.telemetry_clock!r}"
             )
-        for name in ("drive_capacity_bytes", "rated_dwpd", "warranty_years", "max_dwpd"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive (or None), got {value}")
-        if self.max_dwpd_burst_s <= 0:
-            raise ValueError("max_dwpd_burst_s must be positive")
+        _integer("drive_capacity_bytes", self.drive_capacity_bytes, low=1, optional=True)
+        for name in ("rated_dwpd", "warranty_years", "max_dwpd"):
+            _number(name, getattr(self, name), above=0.0, optional=True)
+        _number("max_dwpd_burst_s", self.max_dwpd_burst_s, above=0.0)
+
+
+def _integer(
+    name: str, value: object, *, low: int, high: int | None = None, optional: bool = False
+) -> None:
+    """An int (never a bool or a float, even an integral one) in ``low..high``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"{low}..{high}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _number(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    above: float | None = None,
+    high: float | None = None,
+    optional: bool = False,
+) -> None:
+    """A finite int or float (never a bool, NaN or an infinity) within the bounds."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "a number or None" if optional else "a number"
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if (
+        (low is not None and value < low)
+        or (above is not None and value <= above)
+        or (high is not None and value > high)
+    ):
+        parts = []
+        if low is not None:
+            parts.append(f">= {low:g}")
+        if above is not None:
+            parts.append(f"> {above:g}")
+        if high is not None:
+            parts.append(f"<= {high:g}")
+        raise ValueError(f"{name} must be {' and '.join(parts)}, got {value!r}")
+
+
+def _text(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")

@@ -18,6 +18,7 @@ __all__ = [
     "IOFailure",
     "KVStoreError",
     "LockedError",
+    "NotRegularFileError",
     "PinError",
     "ReadOnlyError",
     "StoreFullError",
@@ -47,6 +48,18 @@ class CorruptionError(KVStoreError):
     """
 
     hint = "run `kvstore fsck PATH --deep`, then `kvstore recover PATH`"
+
+
+class NotRegularFileError(CorruptionError):
+    """A store file is a FIFO, device, socket or directory instead of a regular file.
+
+    kvstore never opens such a file (opening a FIFO would block forever). The
+    message says what to do: remove a lock file (it is recreated), move an
+    index, WAL or segment file aside and run ``kvstore recover PATH``, restore a
+    superblock from a backup of the same store.
+    """
+
+    hint = "kvstore opens only regular files"
 
 
 class FormatVersionError(KVStoreError):

@@ -38,10 +38,17 @@ from kvstore.errors import (
     CorruptionError,
     IOFailure,
     KVStoreError,
+    NotRegularFileError,
     StoreNotFoundError,
 )
 from kvstore.format.checksum import checksum
-from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, SEQUENCE_LIMIT, record_span
+from kvstore.format.constants import (
+    BLOCK_BYTES,
+    MAX_INDEX_KEY_BYTES,
+    RECORD_PAGE,
+    SEQUENCE_LIMIT,
+    record_span,
+)
 from kvstore.format.entries import (
     SEGMENT_SEALED,
     EntryLimits,
@@ -56,6 +63,7 @@ from kvstore.format.entries import (
 )
 from kvstore.format.names import (
     INDEX_DIR,
+    LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
     WAL_DIR,
@@ -86,6 +94,7 @@ from kvstore.index.table import (
     Tombstone,
 )
 from kvstore.io.files import acquire_writer_lock, fsync_dir, write_file_durably
+from kvstore.log.regular import read_regular, require_regular
 from kvstore.log.wal import WalWriter
 
 __all__ = [
@@ -295,8 +304,8 @@ def recover_store(
     """
     root = Path(path).absolute()
     superblock_path = root / SUPERBLOCK_NAME
-    try:
-        raw = superblock_path.read_bytes()
+    try:  # one block, and never a FIFO or device (open(2) of a FIFO blocks)
+        raw = read_regular(superblock_path, BLOCK_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError(f"no kvstore at {root} (no {SUPERBLOCK_NAME})") from None
     except OSError as e:
@@ -310,6 +319,7 @@ def recover_store(
             f"{superblock_path} is invalid ({e}); recover needs a valid superblock"
         ) from None
     report = RecoveryReport(str(root), dry_run, salvage)
+    require_regular(root / LOCK_NAME)
     lock_fd = acquire_writer_lock(root, record_pid=not dry_run)
     try:
         stage = root / STAGE_DIR
@@ -321,7 +331,8 @@ def recover_store(
                         "finishes its swap first"
                     )
                 else:
-                    ts = (stage / _COMPLETE).read_text().strip() or str(int(time.time()))
+                    ts = read_regular(stage / _COMPLETE).decode(errors="replace").strip()
+                    ts = ts or str(int(time.time()))
                     report.moved_aside.extend(_swap(root, stage, ts))
                     report.resumed_swap = True
                     report.notes.append("finished the swap of an interrupted recover")
@@ -389,6 +400,11 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
     index = root / INDEX_DIR
     if not (index / "data.mdb").exists():
         report.notes.append("index: no data.mdb; treated as missing")
+        return
+    try:  # LMDB would open data.mdb itself: a FIFO there would block forever
+        require_regular(index / "data.mdb")
+    except NotRegularFileError as e:
+        report.notes.append(f"index: {e.args[0]}; treated as missing")
         return
     # LMDB trusts its pages: a damaged tree would crash this process, not raise.
     problems = verify_lmdb_file(index / "data.mdb")
@@ -717,6 +733,12 @@ def _decide(scan: _Scan, report: RecoveryReport, *, salvage: bool) -> dict[bytes
     floor = (report.old_checkpoint_lsn or 1) - 1
     kept: dict[bytes, _Record] = {}
     for key in sorted(set(scan.records) | set(scan.states)):
+        if len(key) > MAX_INDEX_KEY_BYTES:  # put by an older build; LMDB cannot hold it
+            for r in scan.records.get(key, []):
+                report.dropped.append(
+                    DroppedRecord(key, r.lsn, r.segment_id, r.offset, "key-too-long")
+                )
+            continue
         state = scan.states.get(key)
         if state is None and trust_absence:
             state = Tombstone(floor)

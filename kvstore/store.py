@@ -57,14 +57,16 @@ from kvstore.format.checksum import checksum
 from kvstore.format.constants import (
     BLOCK_BYTES,
     FORMAT_VERSION,
-    MAX_KEY_BYTES,
+    MAX_INDEX_KEY_BYTES,
     MAX_META_BYTES,
+    MAX_META_DEPTH,
     RECORD_PAGE,
     record_span,
 )
 from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
 from kvstore.format.names import (
     INDEX_DIR,
+    LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
     WAL_DIR,
@@ -110,7 +112,7 @@ from kvstore.index.table import (
     SegmentState,
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
+from kvstore.io.engine import IOEngine, IOQueue, make_engine, resolve_choice, run_all
 from kvstore.io.files import (
     acquire_writer_lock,
     fsync_dir,
@@ -118,6 +120,7 @@ from kvstore.io.files import (
     probe_direct_read,
     write_file_durably,
 )
+from kvstore.log.regular import read_regular, require_regular
 from kvstore.log.segments import (
     Segment,
     create_segment,
@@ -127,7 +130,7 @@ from kvstore.log.segments import (
     recycle_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
+from kvstore.space.policies import POLICIES, EvictionPolicy, SegmentView, make_policy
 from kvstore.telemetry import TelemetrySnapshot, resolve_capacity, snapshot_of
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.budget import DwpdBudget
@@ -151,13 +154,23 @@ _VIEW_ATTEMPTS = 10
 
 def _key_bytes(key: object) -> bytes:
     if isinstance(key, str):
-        raw = key.encode("utf-8")
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from os.fsdecode
+            shown = key if len(key) <= 64 else key[:64] + "..."
+            raise ValueError(
+                f"key {shown!r} is not encodable as UTF-8 ({e.reason} at index {e.start}); "
+                "pass bytes, or a str without lone surrogates"
+            ) from None
     elif isinstance(key, bytes):
         raw = key
     else:
         raise TypeError(f"key must be bytes or str, not {type(key).__name__}")
-    if not 0 < len(raw) <= MAX_KEY_BYTES:
-        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(raw)}")
+    if not 0 < len(raw) <= MAX_INDEX_KEY_BYTES:
+        raise ValueError(
+            f"key must be 1..{MAX_INDEX_KEY_BYTES} bytes (the LMDB index's key limit), "
+            f"got {len(raw)}"
+        )
     return raw
 
 
@@ -188,11 +201,34 @@ def _meta_bytes(meta: Meta | None) -> bytes:
         raise TypeError(f"meta must be a mapping of str to JSON values, not {type(meta).__name__}")
     try:
         raw = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except RecursionError:
+        raise ValueError(f"meta nests deeper than {MAX_META_DEPTH} levels") from None
     except (TypeError, ValueError) as e:
         raise TypeError(f"meta must hold only JSON values: {e}") from None
     if len(raw) > MAX_META_BYTES:
         raise ValueError(f"meta encodes to {len(raw)} bytes; the limit is {MAX_META_BYTES}")
+    # Nesting is capped so that every reader can decode what was stored: the JSON
+    # decoder recurses per level. Counting brackets is cheap and bounds the depth.
+    if raw.count(b"[") + raw.count(b"{") > MAX_META_DEPTH and _json_depth(meta) > MAX_META_DEPTH:
+        raise ValueError(f"meta nests deeper than {MAX_META_DEPTH} levels")
     return raw
+
+
+def _json_depth(value: object) -> int:
+    """How deeply ``value`` nests dicts and lists (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[object] = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _quietly(release: Callable[[], object]) -> None:
@@ -306,6 +342,9 @@ class KVStore:
     open.
     """
 
+    max_key_bytes = MAX_INDEX_KEY_BYTES
+    """The longest key accepted (bytes, or str as UTF-8): what the LMDB index holds."""
+
     # -- opening -----------------------------------------------------------
 
     @classmethod
@@ -327,7 +366,9 @@ class KVStore:
         ``max_page_bytes`` defaults to 16 MiB, or less if the segment is smaller.
         """
         if max_page_bytes is None:
-            max_page_bytes = min(16 << 20, segment_bytes - 2 * BLOCK_BYTES)
+            max_page_bytes = 16 << 20
+            if isinstance(segment_bytes, int):  # else validate() names the bad value
+                max_page_bytes = min(max_page_bytes, segment_bytes - 2 * BLOCK_BYTES)
         try:
             config = StoreConfig(
                 segment_bytes=segment_bytes,
@@ -337,9 +378,12 @@ class KVStore:
             )
         except TypeError as e:
             raise TypeError(f"unknown store option: {e}") from None
-        config.validate()
         root = Path(path)
-        if not (root / SUPERBLOCK_NAME).exists():
+        creating = not (root / SUPERBLOCK_NAME).exists()
+        # Every option is checked before anything is created: a refused open leaves
+        # no store behind.
+        _check_config(config, probe_engine=creating and create and not readonly)
+        if creating:
             if not create or readonly:
                 raise StoreNotFoundError(f"no kvstore at {root}")
             _create_store(root, config)
@@ -351,9 +395,8 @@ class KVStore:
         self._closed = False
         self._lock_fd = -1
         self._failed: WriterFailedError | None = None
-        try:
-            with open(root / SUPERBLOCK_NAME, "rb") as handle:  # never more than a block
-                superblock = decode_superblock(handle.read(BLOCK_BYTES))
+        try:  # never more than a block, and never a FIFO or device (open(2) could block)
+            superblock = decode_superblock(read_regular(root / SUPERBLOCK_NAME, BLOCK_BYTES))
         except OSError as e:
             raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
         self.superblock = superblock
@@ -364,6 +407,7 @@ class KVStore:
             max_page_bytes=superblock.max_page_bytes,
         )
         if not readonly:
+            require_regular(root / LOCK_NAME)
             self._lock_fd = acquire_writer_lock(root)
         try:
             self._open_state()
@@ -1834,7 +1878,7 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
-        raw = key if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES else _key_bytes(key)
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else _key_bytes(key)
         if self._closed:
             self._check_open()
         with self._lock:
@@ -1875,7 +1919,7 @@ class KVStore:
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
-        raw = key if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES else _key_bytes(key)
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else _key_bytes(key)
         if self._closed:
             self._check_open()
         with self._lock:
@@ -1924,6 +1968,7 @@ class KVStore:
     def pin_count(self, key: Key) -> int:
         """How many pins ``key`` holds in this process."""
         raw = _key_bytes(key)
+        self._check_open()
         with self._lock:
             return len(self._pins.get(raw, ()))
 
@@ -1958,7 +2003,10 @@ class KVStore:
             self._extend_lease()
 
     def is_retained(self, key: Key) -> bool:
-        return _key_bytes(key) in self._retains
+        """Whether ``key`` is retained (``retain``), as of the latest change."""
+        raw = _key_bytes(key)
+        self._check_open()
+        return raw in self._retains
 
     # -- GC, compaction, eviction -------------------------------------------
 
@@ -2735,10 +2783,12 @@ class KVStore:
         scrape reads the live counters."""
         from kvstore.telemetry.prometheus import registry_for
 
+        self._check_open()
         return registry_for(self.telemetry_snapshot)
 
     def segment_states(self) -> dict[int, SegmentState]:
         """A copy of the per-segment accounting (for tools and tests)."""
+        self._check_open()
         with self._lock:
             return {k: dataclasses.replace(v) for k, v in self._segment_states.items()}
 
@@ -2746,6 +2796,25 @@ class KVStore:
         mode = "readonly" if self.readonly else "writer"
         state = "closed" if self._closed else "open"
         return f"<KVStore {str(self.root)!r} {mode} {state}>"
+
+
+def _check_config(config: StoreConfig, *, probe_engine: bool) -> None:
+    """``config.validate()`` plus the names it cannot check (they are registered in
+    higher layers); with ``probe_engine``, also that an explicit ``io_engine="io_uring"``
+    runs here (the probe is cached, so the open that follows pays nothing for it)."""
+    config.validate()
+    kind, binding, _ = resolve_choice(config.io_engine, config.uring_binding)
+    if config.eviction_policy not in POLICIES:
+        raise ValueError(
+            f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
+            f"got {config.eviction_policy!r}"
+        )
+    if probe_engine and kind == "io_uring":
+        from kvstore.io.probe import probe_uring
+
+        verdict = probe_uring(binding)
+        if not verdict.ok:
+            raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
 
 
 def _create_store(root: Path, config: StoreConfig) -> None:

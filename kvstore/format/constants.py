@@ -19,7 +19,15 @@ WAL_FILE_MAGIC = b"KVWALOG\x00"
 WAL_RECORD_MAGIC = 0x4B56574C  # "KVWL" as little-endian u32 at each record start
 
 MAX_KEY_BYTES = 1024
+"""The longest key a page record or WAL record can carry (readers accept it)."""
+MAX_INDEX_KEY_BYTES = 511
+"""The longest key the store accepts: what the LMDB index holds (py-lmdb's
+MDB_MAXKEYSIZE; checked against the LMDB build at every open). Earlier builds
+accepted up to ``MAX_KEY_BYTES`` at put; such keys never reached the index (every
+checkpoint failed) and the next open's WAL replay drops them with a note."""
 MAX_META_BYTES = 2048
+MAX_META_DEPTH = 64
+"""Meta may nest dicts and lists this deep (the API's limit; JSON decoders recurse)."""
 MAX_PAGE_BYTES_LIMIT = 1 << 32  # hard ceiling for max_page_bytes (u32 padding math)
 MAX_SEGMENT_BYTES = 1 << 40  # readers refuse a larger segment_bytes as implausible
 SEQUENCE_LIMIT = 1 << 62

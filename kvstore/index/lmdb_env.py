@@ -17,9 +17,11 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from kvstore.errors import AlreadyOpenError, CorruptionError, IOFailure
+from kvstore.errors import AlreadyOpenError, CorruptionError, FormatVersionError, IOFailure
 from kvstore.format.checksum import checksum
+from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.index.lmdb_verify import verify_lmdb_file
+from kvstore.log.regular import require_regular
 
 __all__ = ["IndexEnv", "decode_meta_u64", "encode_meta_u64", "lmdb_read_errors"]
 
@@ -77,6 +79,28 @@ _LMDB_DAMAGE = (
 )
 
 
+def require_index_files_regular(path: Path) -> None:
+    """LMDB opens ``data.mdb`` and ``lock.mdb`` itself: check them first, because
+    open(2) of a FIFO in their place would block forever."""
+    for name in ("data.mdb", "lock.mdb"):
+        require_regular(path / name)
+
+
+def check_key_limit(lmdb_max_key_bytes: int) -> None:
+    """Refuse an LMDB build that cannot hold every key the store accepts.
+
+    The ``pages`` and ``retains`` databases are keyed by the page key itself (no
+    prefix), so a key fits the index iff it fits LMDB. py-lmdb's bundled LMDB
+    holds 511 bytes (MDB_MAXKEYSIZE), which is ``MAX_INDEX_KEY_BYTES``; a key the
+    store accepted must stay readable under every build that opens it.
+    """
+    if lmdb_max_key_bytes < MAX_INDEX_KEY_BYTES:
+        raise FormatVersionError(
+            f"this LMDB build holds keys of at most {lmdb_max_key_bytes} bytes, but kvstore "
+            f"keys may be {MAX_INDEX_KEY_BYTES}: install py-lmdb with its bundled LMDB"
+        )
+
+
 class IndexEnv:
     """Thin owner of the LMDB environment and its three named databases."""
 
@@ -88,6 +112,7 @@ class IndexEnv:
         # transaction serve several threads only if they take turns: ``_pin_lock``.
         self._pinned: Any = None
         self._pin_lock = threading.RLock()
+        require_index_files_regular(path)
         try:
             self.env = lmdb.open(
                 str(path),
@@ -107,6 +132,11 @@ class IndexEnv:
             if "already open in this process" in str(e):
                 raise AlreadyOpenError(f"the store's index {path} is already open here") from e
             raise CorruptionError(f"cannot open the LMDB index at {path}: {e}") from e
+        try:
+            check_key_limit(self.env.max_key_size())
+        except FormatVersionError:
+            self.env.close()
+            raise
         self._check_file_size()
         self._check_structure()
         if not readonly:

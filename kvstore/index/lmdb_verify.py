@@ -21,6 +21,9 @@ import os
 import struct
 from pathlib import Path
 
+from kvstore.errors import NotRegularFileError
+from kvstore.log.regular import open_regular
+
 __all__ = ["verify_lmdb_file"]
 
 _MAGIC = 0xBEEFC0DE
@@ -40,7 +43,7 @@ def verify_lmdb_file(path: Path, page_bytes: int = 4096) -> list[str]:
     the right one: the entries' own checksums do that).
     """
     try:
-        with open(path, "rb") as handle:
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             if size < 2 * page_bytes:
                 return [f"{path.name}: {size} bytes, shorter than its two meta pages"]
@@ -48,6 +51,8 @@ def verify_lmdb_file(path: Path, page_bytes: int = 4096) -> list[str]:
             # length mapped here, and a large index is not copied into memory.
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 return _verify(data, size, page_bytes)
+    except NotRegularFileError as e:  # a FIFO would have blocked the open forever
+        return [str(e.args[0])]
     except (OSError, ValueError) as e:
         return [f"cannot read {path}: {e}"]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from kvstore.errors import CorruptionError, IOFailure
 from kvstore.format.constants import (
     BLOCK_BYTES,
+    MAX_INDEX_KEY_BYTES,
     SEQUENCE_LIMIT,
     WAL_SEGMENT_FREE,
     WAL_SEGMENT_OPEN,
@@ -298,6 +299,7 @@ def _replay(
     decoded: list[list[tuple[WalRecord, WalBody]]],
 ) -> None:
     table, segments, retains = recovered.table, recovered.segments, recovered.retains
+    overlong: list[bytes] = []
     for wal_file, records in zip(chain, decoded, strict=True):
         if wal_file.torn_tail:
             recovered.notes.append(
@@ -307,6 +309,18 @@ def _replay(
         for record, body in records:
             recovered.max_lsn_seen = max(recovered.max_lsn_seen, record.lsn)
             recovered.replayed_records += 1
+            key = _key_of(body)
+            if key is not None and len(key) > MAX_INDEX_KEY_BYTES:
+                # Logged by an older build that accepted keys LMDB cannot hold (its
+                # checkpoints then all failed): the page is dropped, its space kept.
+                if isinstance(body, PutBody | MoveBody):
+                    put = body.put if isinstance(body, MoveBody) else body
+                    state = segments.get(put.segment_id)
+                    if state is not None and state.generation == put.generation:
+                        end = put.offset + record_span(put.payload_bytes)
+                        state.head_bytes = max(state.head_bytes, end)
+                overlong.append(key)
+                continue
             if isinstance(body, PutBody):
                 entry = body.entry(record.lsn)
                 apply_put(table, segments, body.key, entry)
@@ -336,6 +350,22 @@ def _replay(
                 recovered.next_segment_id = max(recovered.next_segment_id, body.segment_id + 1)
             elif isinstance(body, LsnLeaseBody):
                 recovered.lsn_lease = max(recovered.lsn_lease, body.lease_until)
+    if overlong:
+        distinct = sorted(set(overlong))
+        recovered.notes.append(
+            f"dropped {len(distinct)} page(s) whose key is longer than the index's "
+            f"{MAX_INDEX_KEY_BYTES}-byte limit (put by an older kvstore; {len(overlong)} WAL "
+            f"records skipped), e.g. a key of {len(distinct[0])} bytes starting "
+            f"{distinct[0][:32]!r}"
+        )
+
+
+def _key_of(body: WalBody) -> bytes | None:
+    if isinstance(body, MoveBody):
+        return body.put.key
+    if isinstance(body, PutBody | DeleteBody | RetainBody):
+        return body.key
+    return None
 
 
 def span_of(payload_bytes: int) -> int:

@@ -25,6 +25,7 @@ from kvstore.format.records import (
 )
 from kvstore.io.buffers import AlignedBuffer
 from kvstore.io.files import fsync_dir, open_data_file
+from kvstore.log.regular import open_regular, require_regular
 
 __all__ = ["Segment", "create_segment", "list_segment_files", "open_segment"]
 
@@ -120,10 +121,11 @@ def open_segment(
     flags_direct = direct
     if readonly:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if flags_direct else 0))
+            fd = open_regular(path, os.O_RDONLY | (os.O_DIRECT if flags_direct else 0))
         except OSError as e:
             raise IOFailure(f"cannot open {path}", e.errno) from e
     else:
+        require_regular(path)  # O_RDWR of a FIFO would not block, but it is no segment
         fd = open_data_file(path, direct=direct)
     try:
         header = read_segment_header(fd, path)

@@ -22,6 +22,7 @@ import lmdb
 
 from kvstore.errors import AlreadyOpenError, CorruptionError, StoreNotFoundError
 from kvstore.format.names import INDEX_DIR, SUPERBLOCK_NAME
+from kvstore.log.regular import require_regular
 from kvstore.telemetry.counters import (
     COUNTER_NAMES,
     HISTOGRAM_SLOTS,
@@ -146,6 +147,8 @@ def read_snapshot(
         raise StoreNotFoundError(f"no kvstore at {root}")
     telemetry = Telemetry(clock, retention_hours=1 << 30)
     notes: list[str] = []
+    for name in ("data.mdb", "lock.mdb"):  # LMDB opens them itself: a FIFO would block
+        require_regular(root / INDEX_DIR / name)
     try:
         env = lmdb.open(
             str(root / INDEX_DIR),
