@@ -108,7 +108,7 @@ def test_no_budget_admits_everything(open_store: OpenStore) -> None:
 
 
 def test_budget_needs_a_known_capacity_and_positive_values(open_store: OpenStore) -> None:
-    with pytest.raises(ValueError, match="max_dwpd must be positive"):
+    with pytest.raises(ValueError, match=r"max_dwpd must be > 0, got 0\.0"):
         open_store(max_dwpd=0.0)
     with pytest.raises(ValueError, match="max_dwpd_burst_s"):
         open_store(max_dwpd=1.0, max_dwpd_burst_s=0)
