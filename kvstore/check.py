@@ -163,6 +163,7 @@ class _Run:
     findings: list[Finding] = field(default_factory=list)
     changed: int = 0  # objects skipped as changed while checking (Findings)
     live_writer: bool = False  # read-only beside a writer that may be running
+    checkpointed: bool | None = None  # a repair's one checkpoint, once tried
 
     def add(self, severity: Severity, kind: str, message: str, **where: Any) -> Finding:
         finding = Finding(severity, kind, message, **where)
@@ -196,6 +197,7 @@ def check_store(
     bad_page_keys = _check_index_values(run)
     tree_sound = not any(finding.kind == "index-unreadable" for finding in run.findings)
     _check_segment_headers(run)
+    _check_degraded(run)
     if tree_sound:  # otherwise LMDB's own walk could crash the process
         _check_records(run, bad_page_keys)
         _check_accounting(run)
@@ -504,6 +506,124 @@ def _check_segment_headers(run: _Run) -> None:
                 path=path,
                 segment_id=segment_id,
             )
+
+
+def _check_degraded(run: _Run) -> None:
+    """What the open degraded around (``stats().degraded_reasons``), with the repair.
+
+    - A quarantined segment whose pages verified: ``--repair`` rewrites its header
+      from the index (its id and generation are proven by those records) and
+      extends a short file; the next open uses it as any other.
+    - Pages that were dropped (misses), WAL files with a damaged header or a
+      repaired record: ``--repair`` checkpoints, which makes the drops durable and
+      retires those WAL files (their records are then in the index).
+    - A salvaged index: a writer open already swapped the rebuilt one in.
+    """
+    store = run.store
+    found = store._degraded
+    if not found.reasons:
+        return
+    for segment_id, why in sorted(found.segments.items()):
+        served = found.served.get(segment_id, 0)
+        segment = store._segments.get(segment_id)
+        existing = [
+            f for f in run.findings if f.kind == "segment-header" and f.segment_id == segment_id
+        ]
+        for finding in existing:
+            run.findings.remove(finding)
+        where = {"segment_id": segment_id, "path": str(segment.path) if segment else None}
+        message = f"segment {segment_id} quarantined at open ({why}); {served} pages verified"
+        if segment is None:
+            run.add(
+                "error",
+                "missing-segment",
+                f"{message}; its file is gone: its pages are misses (the next checkpoint "
+                "makes that durable)",
+                repaired=run.repair and _checkpoint_quietly(run),
+                **where,
+            )
+            continue
+        if not served:
+            run.add(
+                "error",
+                "segment-header",
+                f"{message}: no record proves its identity, so its header is not rewritten; "
+                "GC frees it once empty, or move it aside and run `kvstore recover PATH`",
+                **where,
+            )
+            continue
+        repaired = False
+        if run.repair:
+            try:
+                _rewrite_segment_header(store, segment_id)
+                repaired = True
+                message += "; header rewritten from the index"
+            except (OSError, KVStoreError) as e:
+                message += f"; rewriting its header failed: {e}"
+        else:
+            message += "; `kvstore fsck --repair PATH` rewrites its header from the index"
+        run.add("error", "segment-header", message, repaired=repaired, **where)
+    others = [
+        reason
+        for reason in found.reasons
+        if not reason.startswith("segment ") or " quarantined (" not in reason
+    ]
+    for reason in others:
+        if reason.startswith("LMDB index damaged"):
+            run.add(
+                "error",
+                "degraded",
+                f"{reason}; the damaged index was moved aside"
+                if not store.readonly
+                else f"{reason}; a writer open (or `kvstore fsck --repair PATH`) swaps the "
+                "rebuilt index in",
+                repaired=not store.readonly,
+            )
+            continue
+        run.add(
+            "error",
+            "degraded",
+            f"{reason}; `kvstore fsck --repair PATH` checkpoints, which retires the WAL "
+            "file (its records are then in the index)",
+            repaired=run.repair and _checkpoint_quietly(run),
+        )
+
+
+def _checkpoint_quietly(run: _Run) -> bool:
+    """One checkpoint per fsck run (a repair of what a degraded open found)."""
+    if run.checkpointed is None:
+        try:
+            run.store.checkpoint()
+            run.checkpointed = True
+        except KVStoreError:
+            run.checkpointed = False
+    return run.checkpointed
+
+
+def _rewrite_segment_header(store: KVStore, segment_id: int) -> None:
+    """Write a quarantined segment's header from the index, durably; extend a short file."""
+    from kvstore.format.records import SegmentHeader, encode_segment_header
+
+    with store._lock:
+        state = store._segment_states[segment_id]
+        segment = store._segments[segment_id]
+    header = encode_segment_header(
+        SegmentHeader(
+            store.superblock.store_uuid,
+            segment_id,
+            state.generation,
+            store.config.segment_bytes,
+            state.created_unix_ns,
+        )
+    )
+    fd = os.open(segment.path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < store.config.segment_bytes:
+            os.ftruncate(fd, store.config.segment_bytes)
+        os.pwrite(fd, header, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hold_segment(store: KVStore, segment_id: int, segment: Segment) -> bool:

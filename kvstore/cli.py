@@ -137,10 +137,17 @@ def stat(path: Path, as_json: bool) -> None:
             return
         table = Table(title=f"kvstore {path}", show_header=False)
         for name, value in stats.items():
-            if name in ("counters", "telemetry", "throughput"):
+            if name in ("counters", "telemetry", "throughput", "degraded_reasons"):
                 continue
             table.add_row(name, _human(name, value))
         console.print(table)
+        if stats["degraded"]:  # loud: the store opened around damage
+            err_console.print(
+                f"[red]DEGRADED[/red]: {path} opened around damage; run `kvstore fsck {path}` "
+                "for the repairs"
+            )
+            for reason in stats["degraded_reasons"]:  # type: ignore[attr-defined]
+                err_console.print(f"  - {reason}")
 
 
 def _human(name: str, value: object) -> str:
@@ -241,7 +248,10 @@ def fsck_exit_code(findings: list[Finding]) -> int:
 
 
 def _run_fsck(store: KVStore, *, deep: bool, repair: bool, quiet: bool) -> Findings:
-    findings = Findings(_recovery_finding(note) for note in store.recovery_notes)
+    degraded = set(store.stats().degraded_reasons)  # check_store reports these, with repairs
+    findings = Findings(
+        _recovery_finding(note) for note in store.recovery_notes if note not in degraded
+    )
     if not deep or quiet:
         checked = check_store(store, deep=deep, repair=repair)
     else:

@@ -178,6 +178,7 @@ class RecoveryReport:
     moved_aside: list[str] = field(default_factory=list)
     resumed_swap: bool = False
     notes: list[str] = field(default_factory=list)
+    superblock_rebuilt: bool = False
 
     @property
     def kept_by_source(self) -> dict[str, int]:
@@ -211,6 +212,7 @@ class RecoveryReport:
             "retained": self.retained,
             "moved_aside": list(self.moved_aside),
             "resumed_swap": self.resumed_swap,
+            "superblock_rebuilt": self.superblock_rebuilt,
             "notes": list(self.notes),
         }
         if lists:
@@ -310,18 +312,30 @@ def recover_store(
         raise StoreNotFoundError(f"no kvstore at {root} (no {SUPERBLOCK_NAME})") from None
     except OSError as e:
         raise IOFailure(f"cannot read {superblock_path}", e.errno) from e
+    rebuilt: bytes | None = None
     try:
         from kvstore.format.records import decode_superblock
 
         superblock = decode_superblock(raw)
+    except NotRegularFileError:
+        raise
     except CorruptionError as e:
-        raise CorruptionError(
-            f"{superblock_path} is invalid ({e}); recover needs a valid superblock"
-        ) from None
+        from kvstore.identity import reconstruct_superblock, superblock_error
+
+        found = reconstruct_superblock(root)
+        if found.superblock is None:
+            raise superblock_error(root, e) from None
+        superblock, rebuilt = found.superblock, found.block
+        superblock_note = f"the superblock was damaged ({e.args[0]}); rebuilt: {found.how}"
     report = RecoveryReport(str(root), dry_run, salvage)
+    if rebuilt is not None:
+        report.notes.append(superblock_note if not dry_run else f"would rebuild: {superblock_note}")
     require_regular(root / LOCK_NAME)
     lock_fd = acquire_writer_lock(root, record_pid=not dry_run)
     try:
+        if rebuilt is not None and not dry_run:
+            write_file_durably(superblock_path, rebuilt)
+            report.superblock_rebuilt = True
         stage = root / STAGE_DIR
         if stage.exists():
             if (stage / _COMPLETE).exists():

@@ -29,6 +29,8 @@ import errno
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -47,6 +49,7 @@ from kvstore.errors import (
     CorruptionError,
     IOFailure,
     KVStoreError,
+    NotRegularFileError,
     PinError,
     ReadOnlyError,
     StoreFullError,
@@ -95,15 +98,17 @@ from kvstore.format.wal import (
     encode_segment_free,
     encode_segment_open,
 )
-from kvstore.index.lmdb_env import IndexEnv
+from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
     Recovered,
     apply_delete,
     apply_move,
     apply_put,
+    entries_in_segments,
     live_segments_now,
     recover_index,
 )
+from kvstore.index.salvage import IndexSalvage, salvage_index
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -126,6 +131,7 @@ from kvstore.log.segments import (
     create_segment,
     list_segment_files,
     open_segment,
+    open_untrusted_segment,
     read_segment_header,
     recycle_segment,
 )
@@ -304,6 +310,20 @@ class _GCTally:
 
 
 @dataclasses.dataclass(slots=True)
+class _Degraded:
+    """What this open could not vouch for (``stats()``; docs/operations.md, "Degraded open")."""
+
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    segments: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> why
+    served: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> pages verified
+    pages: int = 0  # dropped: misses
+    salvaged_pages: int = 0
+    damaged_wal_headers: int = 0
+    salvaged_wal_records: int = 0
+    index_salvaged: bool = False
+
+
+@dataclasses.dataclass(slots=True)
 class _PendingPut:
     key: bytes
     entry: PageEntry
@@ -399,6 +419,13 @@ class KVStore:
             superblock = decode_superblock(read_regular(root / SUPERBLOCK_NAME, BLOCK_BYTES))
         except OSError as e:
             raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
+        except NotRegularFileError:
+            raise
+        except CorruptionError as e:
+            # The one thing an open cannot degrade around: the store's identity.
+            from kvstore.identity import superblock_error
+
+            raise superblock_error(root, e) from None
         self.superblock = superblock
         # Geometry is fixed at creation; runtime options come from this open.
         self.config = dataclasses.replace(
@@ -430,9 +457,23 @@ class KVStore:
         self._poll_ns = config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0
         self._read_tokens = itertools.count()
         self._buffers = BufferPool()
-        self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
+        self._index_salvage: IndexSalvage | None = None
+        self._salvage_dir: Path | None = None  # read-only: a private rebuilt index
+        try:
+            if not self.readonly:
+                _finish_index_swap(root)
+            self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
+        except IndexDamagedError as e:
+            self._env = self._salvage_index(e)
         self._live_now: dict[int, int] | None = None
-        recovered = self._recover()
+        try:
+            recovered = self._recover()
+        except IndexDamagedError as e:  # a damaged value: checksum or plausibility
+            if self._index_salvage is not None:
+                raise
+            self._env.close()
+            self._env = self._salvage_index(e)
+            recovered = self._recover()
         self._table = recovered.table
         self._segment_states = recovered.segments
         self._next_segment_id = recovered.next_segment_id
@@ -448,8 +489,13 @@ class KVStore:
         # Read-only: segments of this view the live writer freed before they could
         # be opened. Their pages are misses (docs/operations.md, "Readers").
         self._gone_segments: set[int] = set()
+        damaged: dict[int, str] = {}
         for segment_id, state in sorted(self._segment_states.items()):
-            segment = self._open_view_segment(segment_id, state)
+            try:
+                segment = self._open_view_segment(segment_id, state)
+            except CorruptionError as e:  # damaged header, another identity, missing, short
+                damaged[segment_id] = e.args[0] if e.args else type(e).__name__
+                continue
             if segment is None:
                 del self._segment_states[segment_id]
                 self._gone_segments.add(segment_id)
@@ -458,6 +504,24 @@ class KVStore:
         self._active: Segment | None = None
         self._retains: set[bytes] = recovered.retains
         self._dropped_segments: list[int] = list(recovered.dropped_segments)
+        self._degraded = _Degraded(
+            reasons=list(recovered.degraded),
+            damaged_wal_headers=recovered.damaged_wal_headers,
+            salvaged_wal_records=recovered.salvaged_wal_records,
+        )
+        if self._index_salvage is not None:
+            salvage = self._index_salvage
+            self._degraded.index_salvaged = True
+            self._degraded.pages += salvage.pages_lost
+            reason = (
+                f"LMDB index damaged ({salvage.problems[0]}); rebuilt from what verifies: "
+                f"{salvage.summary()}"
+            )
+            self._degraded.reasons.append(reason)
+            self.recovery_notes.append(reason)
+            self.recovery_notes.extend(salvage.notes)
+        if damaged:
+            self._quarantine_segments(damaged)
         self._pins: dict[bytes, list[PageEntry]] = {}
         self._segment_pins: Counter[int] = Counter()
         self._segment_readers: Counter[int] = Counter()
@@ -594,6 +658,134 @@ class KVStore:
                     return None
             raise  # still live (or cannot tell): the file really is missing or wrong
 
+    def _salvage_index(self, error: IndexDamagedError) -> IndexEnv:
+        """Rebuild a structurally damaged LMDB index from what still verifies in it.
+
+        LMDB must not read the file (it trusts its pages); kvstore/index/salvage.py
+        reads it instead and keeps only checksummed values from sound, reachable,
+        non-free pages of the current tree. A writer swaps the rebuilt index in
+        (the damaged one is kept as ``index.damaged-<ts>/``; an interrupted swap is
+        finished by the next open); a read-only open uses a private copy for its
+        own life and changes nothing in the store.
+        """
+        root = self.root
+        if self.readonly:
+            self._salvage_dir = Path(tempfile.mkdtemp(prefix="kvstore-salvage-"))
+            target = self._salvage_dir / INDEX_DIR
+        else:
+            target = root / _INDEX_STAGE
+            if target.exists():
+                shutil.rmtree(target)
+        try:
+            self._index_salvage = salvage_index(
+                root / INDEX_DIR / "data.mdb", target, root, self.superblock, error.problems
+            )
+        except (OSError, KVStoreError) as e:
+            raise CorruptionError(
+                f"{error.args[0]}; salvaging it failed too ({e}); run `kvstore recover PATH`"
+            ) from e
+        if not self.readonly:
+            try:
+                fsync_dir(target)
+                fsync_dir(root)
+                aside = root / f"{INDEX_DIR}.damaged-{int(time.time())}"
+                n = 1
+                while aside.exists():
+                    aside = aside.with_name(f"{INDEX_DIR}.damaged-{int(time.time())}.{n}")
+                    n += 1
+                os.rename(root / INDEX_DIR, aside)
+                os.rename(target, root / INDEX_DIR)
+                fsync_dir(root)
+            except OSError as e:
+                raise IOFailure(f"cannot swap the salvaged index into {root}", e.errno) from e
+            self._index_salvage.notes.append(f"the damaged index was kept as {aside.name}/")
+            target = root / INDEX_DIR
+        return IndexEnv(target, readonly=self.readonly)
+
+    def _quarantine_segments(self, damaged: dict[int, str]) -> None:
+        """Keep serving what a damaged segment still holds, verified; drop the rest.
+
+        A segment whose header is damaged (or names another id, generation or
+        store), whose file is short, or whose file is missing cannot be vouched for
+        as a whole. Its records can: each names its key, segment, offset,
+        generation and LSN and carries its checksums. Every page the index places
+        in such a segment is read and verified completely against its entry now;
+        those that pass are served (and verified again on every read), the rest
+        become misses (an in-memory delete at the page's own LSN, which the next
+        checkpoint makes durable). The segment is opened read-only and sealed: no
+        put, move or recycle ever writes into it (GC may still move its verified
+        pages out and then remove the file). With its file gone, the segment is
+        dropped. The damage stays on disk until then, so the next open finds it
+        again, deterministically. Counted in ``stats()``.
+        """
+        quarantine = self._degraded
+        for segment_id, why in sorted(damaged.items()):
+            state = self._segment_states[segment_id]
+            segment = open_untrusted_segment(
+                self.root,
+                segment_id,
+                state.generation,
+                state.head_bytes,
+                size_bytes=self.config.segment_bytes,
+                direct=self.direct_io,
+            )
+            if segment is not None:
+                try:
+                    file_bytes = os.fstat(segment.fd).st_size
+                except OSError:
+                    file_bytes = 0
+                # A short file: GC must not scan past what is there.
+                state.head_bytes = max(BLOCK_BYTES, min(state.head_bytes, file_bytes))
+                state.head_bytes -= state.head_bytes % BLOCK_BYTES
+                state.state = SEGMENT_SEALED
+                self._segments[segment_id] = segment
+            quarantine.segments[segment_id] = why
+        served: Counter[int] = Counter()
+        lost: Counter[int] = Counter()
+        for key, entry in entries_in_segments(self._table, set(damaged)):
+            segment = self._segments.get(entry.segment_id)
+            state = self._segment_states[entry.segment_id]
+            if (
+                segment is not None
+                and entry.offset + entry.span_bytes <= state.head_bytes  # inside the file
+                and self._verifies(segment, key, entry)
+            ):
+                served[entry.segment_id] += 1
+                continue
+            apply_delete(self._table, self._segment_states, key, entry.lsn)
+            self._retains.discard(key)
+            lost[entry.segment_id] += 1
+        quarantine.salvaged_pages += sum(served.values())
+        quarantine.served.update(served)
+        quarantine.pages += sum(lost.values())
+        for segment_id, why in sorted(damaged.items()):
+            if segment_id not in self._segments:  # no file: nothing of it is left
+                del self._segment_states[segment_id]
+                self._dropped_segments.append(segment_id)
+            reason = (
+                f"segment {segment_id:016x}.seg quarantined ({why}): {served[segment_id]} "
+                f"of its pages verified and are served, {lost[segment_id]} are misses"
+            )
+            quarantine.reasons.append(reason)
+            self.recovery_notes.append(reason)
+
+    def _verifies(self, segment: Segment, key: bytes, entry: PageEntry) -> bool:
+        """Whether ``entry``'s record reads back whole and matches it (the read path's
+        own check)."""
+        buffer = self._buffers.acquire(entry.span_bytes)
+        try:
+            try:
+                result = os.preadv(segment.fd, [buffer.view[: entry.span_bytes]], entry.offset)
+            except OSError:
+                return False
+            try:
+                self._verify(key, entry, buffer.view, result)
+            except KVStoreError:
+                return False
+            return True
+        finally:
+            self._buffers.release(buffer)
+
     def _repair_after_crash(self, recovered: Recovered) -> None:
         """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
         try:
@@ -707,6 +899,10 @@ class KVStore:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             _quietly(engine.close)
+        salvage_dir = getattr(self, "_salvage_dir", None)
+        if salvage_dir is not None:
+            self._salvage_dir = None
+            shutil.rmtree(salvage_dir, ignore_errors=True)
         if self._lock_fd >= 0:
             fd, self._lock_fd = self._lock_fd, -1
             _quietly(lambda: os.close(fd))
@@ -2595,7 +2791,23 @@ class KVStore:
                 declined_puts=snapshot.counter("declined_puts"),
                 telemetry=snapshot.counters(),
                 throughput=snapshot.throughput,
+                **self._degraded_stats(),
             )
+
+    def _degraded_stats(self) -> dict[str, Any]:
+        """The ``StoreStats`` fields of a degraded open (docs/operations.md)."""
+        found = self._degraded
+        return {
+            "degraded": bool(found.reasons),
+            "degraded_reasons": tuple(found.reasons),
+            "quarantined_segments": len(found.segments),
+            "quarantined_pages": found.pages,
+            "salvaged_pages": found.salvaged_pages,
+            "damaged_wal_headers": found.damaged_wal_headers,
+            "salvaged_wal_records": found.salvaged_wal_records,
+            "index_salvaged": found.index_salvaged,
+            "index_check_seconds": self._env.check_seconds,
+        }
 
     # -- telemetry -----------------------------------------------------------
 
@@ -2757,6 +2969,9 @@ class KVStore:
             }
             if self._capacity_bytes is not None:
                 gauges["capacity_bytes"] = float(self._capacity_bytes)
+            for name, value in self._degraded_stats().items():
+                if isinstance(value, bool | int) and name != "index_check_seconds":
+                    gauges[name] = float(value)
         index_file = self.root / INDEX_DIR / "data.mdb"
         try:
             gauges["page_table_bytes"] = float(index_file.stat().st_size)
@@ -2815,6 +3030,30 @@ def _check_config(config: StoreConfig, *, probe_engine: bool) -> None:
         verdict = probe_uring(binding)
         if not verdict.ok:
             raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
+
+
+_INDEX_STAGE = "index.salvage"
+"""Where a writer builds a salvaged index before swapping it in (docs/format.md)."""
+
+
+def _finish_index_swap(root: Path) -> None:
+    """Finish, or undo, a salvaged-index swap a crash interrupted.
+
+    The staged index is complete before the damaged one is renamed aside: with
+    ``index/`` gone, the stage goes into place; with both there, the stage is
+    dropped (the damage is found, and salvaged, again).
+    """
+    stage = root / _INDEX_STAGE
+    if not stage.exists():
+        return
+    try:
+        if (root / INDEX_DIR).exists():
+            shutil.rmtree(stage)
+        else:
+            os.rename(stage, root / INDEX_DIR)
+        fsync_dir(root)
+    except OSError as e:
+        raise IOFailure(f"cannot finish the index swap in {root}", e.errno) from e
 
 
 def _create_store(root: Path, config: StoreConfig) -> None:

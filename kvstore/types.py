@@ -76,6 +76,17 @@ class StoreStats:
     throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # Which engine runs and why (the binding and version, or the fallback's reason).
     io_engine_reason: str = ""
+    # Degraded open (docs/operations.md, "Degraded open"): what this open found it
+    # could not vouch for. All zero / empty for a healthy store.
+    degraded: bool = False
+    degraded_reasons: tuple[str, ...] = ()
+    quarantined_segments: int = 0  # segments with a damaged header or file, never written
+    quarantined_pages: int = 0  # pages the index named that failed verification: misses
+    salvaged_pages: int = 0  # pages of quarantined segments that verified completely
+    damaged_wal_headers: int = 0  # WAL files whose header was damaged (records replayed)
+    salvaged_wal_records: int = 0  # records replayed from those files (own checksums)
+    index_salvaged: bool = False  # the LMDB index was damaged and rebuilt from what verified
+    index_check_seconds: float = 0.0  # the open-time structural check of the LMDB index
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field."""

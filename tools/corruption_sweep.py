@@ -18,7 +18,10 @@ on it, and the sweep checks that too (no wrong read may come from it). The
 
 Outcomes of one injection:
 
-- ``refused-open``: ``KVStore.open`` raised a ``KVStoreError``;
+- ``refused-open``: ``KVStore.open`` raised a ``KVStoreError`` (only a damaged
+  superblock should: the store's identity);
+- ``degraded-open``: the store opened and ``stats().degraded`` says what it
+  repaired, salvaged or quarantined (docs/operations.md, "Degraded open");
 - ``detected-by-read``: some ``get`` raised a ``KVStoreError``;
 - ``detected-by-fsck``: ``check(deep=True)`` (plus the recovery notes that
   ``kvstore fsck`` prints) reported a finding;
@@ -466,10 +469,17 @@ class Outcome:
     crash: str | None = None
     refused_message: str = ""
     finding_kinds: list[str] = field(default_factory=list)
+    degraded_open: bool = False  # opened, and stats() said what it could not vouch for
+    quarantined_pages: int = 0  # stats().quarantined_pages of that open
 
     @property
     def detected(self) -> bool:
-        return self.refused_open or self.detected_by_read or self.detected_by_fsck
+        return (
+            self.refused_open
+            or self.degraded_open
+            or self.detected_by_read
+            or self.detected_by_fsck
+        )
 
 
 def _apply(root: Path, injection: Injection) -> bytes:
@@ -523,6 +533,9 @@ def _probe(root: Path, expected: Expected, outcome: Outcome) -> None:
         outcome.crash = f"open: {type(e).__name__}: {e}"
         return
     try:
+        stats = store.stats()
+        outcome.degraded_open = stats.degraded
+        outcome.quarantined_pages = stats.quarantined_pages
         for key, value in expected.pages.items():
             try:
                 got = store.get(key)
@@ -676,6 +689,8 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
             "injections": len(selected),
             "no-op": sum(not o.changed for o in selected),
             "refused-open": sum(o.refused_open for o in selected),
+            "degraded-open": sum(o.degraded_open for o in selected),
+            "quarantined-pages": sum(o.quarantined_pages for o in selected),
             "detected-by-read": sum(o.detected_by_read for o in selected),
             "detected-by-fsck": sum(o.detected_by_fsck for o in selected),
             "detected": sum(o.detected for o in selected),

@@ -13,7 +13,7 @@ torn tail (end of log) or corruption in the middle.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvstore.errors import CorruptionError, FormatVersionError
@@ -59,6 +59,8 @@ __all__ = [
     "encode_wal_file_header",
     "encode_wal_record",
     "iter_records",
+    "repair_record",
+    "repair_wal_file_header",
 ]
 
 # magic, version, reserved, reserved, uuid, first_lsn, prev_first_lsn, created_ns, checksum
@@ -367,6 +369,134 @@ def _find_later_record(view: memoryview, start: int) -> int | None:
         if record is not None:
             return position
         position += 1
+
+
+# -- repairing a single damaged byte ------------------------------------------------
+#
+# A WAL record or file header that fails its checksum is repaired when exactly one
+# change of one byte makes it whole again: the checksum then proves the repair (a
+# wrong candidate would have to collide in 64 bits; at most ~10^6 candidates are
+# tried). A torn write (bytes missing or cut at a sector) is never one byte off, so
+# it stays a torn tail; a bit flip or a one-byte overwrite is undone, and the
+# record (a DELETE, say) is not lost.
+
+MAX_REPAIR_BYTES = RECORD_OVERHEAD + MAX_BODY_BYTES
+"""The longest damaged span (one record) a single-byte repair is tried on."""
+
+
+_ANY_BYTE_BELOW = 512
+"""Spans up to this long are tried with every byte value at every position; longer
+ones with every single-bit flip (bit rot), which keeps the search under ~30k
+checksums."""
+
+
+def _one_byte_fixes(
+    span: bytearray, valid: Callable[[bytearray], bool], positions: range | None = None
+) -> list[bytes]:
+    """Every variant of ``span`` that differs in one byte and passes ``valid`` (stops at 2)."""
+    found: list[bytes] = []
+    every_value = len(span) <= _ANY_BYTE_BELOW
+    for position in positions if positions is not None else range(len(span)):
+        original = span[position]
+        values = range(256) if every_value else [original ^ (1 << bit) for bit in range(8)]
+        for value in values:
+            if value == original:
+                continue
+            span[position] = value
+            if valid(span):
+                found.append(bytes(span))
+                if len(found) > 1:
+                    span[position] = original
+                    return found
+        span[position] = original
+    return found
+
+
+def repair_record(data: BytesLike, offset: int, end: int) -> WalRecord | None:
+    """The record at ``offset``, if one byte of ``data[offset:end]`` is all that is wrong.
+
+    ``end`` is where the next well-formed record starts (or the end of the file):
+    the damaged record fills ``[offset, end)`` exactly. None when no single-byte
+    change, or more than one, makes a whole record of that length (a torn write:
+    its length field does not match what is there, and no one byte can fix both).
+    """
+    length = end - offset
+    if not RECORD_OVERHEAD <= length <= MAX_REPAIR_BYTES:
+        return None
+    magic = struct.pack("<I", WAL_RECORD_MAGIC)
+    body_len = struct.pack("<I", length - RECORD_OVERHEAD)
+    span = bytearray(data[offset:end])
+    stored_at = length - 8
+
+    def valid(candidate: bytearray) -> bool:
+        return (
+            candidate[:4] == magic
+            and candidate[4:8] == body_len
+            and int.from_bytes(candidate[stored_at:], "little")
+            == checksum(memoryview(candidate)[:stored_at])
+        )
+
+    magic_ok, length_ok = span[:4] == magic, span[4:8] == body_len
+    if not magic_ok and not length_ok:
+        return None  # two fields wrong: not one byte
+    if not magic_ok:
+        positions = range(4)
+    elif not length_ok:
+        positions = range(4, 8)
+    else:
+        # The checksum itself damaged: one comparison, no search.
+        actual = checksum(memoryview(span)[:stored_at]).to_bytes(8, "little")
+        if sum(a != b for a, b in zip(actual, span[stored_at:], strict=True)) == 1:
+            return _record_of(bytes(span[:stored_at]) + actual)
+        positions = range(8, stored_at)
+    fixes = _one_byte_fixes(span, valid, positions)
+    if len(fixes) != 1:
+        return None
+    return _record_of(fixes[0])
+
+
+def _record_of(raw: bytes) -> WalRecord:
+    record, _ = _parse_at(memoryview(raw), 0)
+    assert record is not None  # the caller checked framing and checksum
+    return record
+
+
+def repair_wal_file_header(
+    data: BytesLike, store_uuid: bytes, first_lsn: int, prev_first_lsn: int | None
+) -> tuple[WalFileHeader, str] | None:
+    """A damaged file header rebuilt and proven by its own checksum, or None.
+
+    First from what the reader knows (magic, version, the store's uuid, the file
+    name's first LSN, the predecessor's first LSN if known) with the stored
+    creation time; then by a single-byte repair of the stored header. Returns the
+    header and how it was proven.
+    """
+    if len(data) < WAL_FILE_HEADER_BYTES:
+        return None
+    stored = bytes(data[:WAL_FILE_HEADER_BYTES])
+    (_, _, _, _, _, _, stored_prev, created, _) = _FILE_HEADER.unpack(stored)
+    for prev in dict.fromkeys(p for p in (prev_first_lsn, stored_prev) if p is not None):
+        rebuilt = encode_wal_file_header(WalFileHeader(store_uuid, first_lsn, prev, created))
+        if rebuilt[-8:] == stored[-8:]:
+            return decode_wal_file_header(rebuilt), "rebuilt from the fields the store knows"
+
+    def valid(candidate: bytearray) -> bool:
+        return int.from_bytes(candidate[56:], "little") == checksum(memoryview(candidate)[:56])
+
+    span = bytearray(stored)
+    actual = checksum(memoryview(span)[:56]).to_bytes(8, "little")
+    fixes = [stored[:56] + actual]
+    if sum(a != b for a, b in zip(actual, stored[56:], strict=True)) != 1:
+        fixes = _one_byte_fixes(span, valid)
+    if len(fixes) != 1:
+        return None
+    try:
+        header = decode_wal_file_header(fixes[0])
+    except (CorruptionError, FormatVersionError):
+        return None
+    if header.store_uuid != store_uuid or header.first_lsn != first_lsn:
+        return None
+    return header, "one damaged byte undone (proven by the header checksum)"
 
 
 def iter_file(data: BytesLike) -> Iterator[WalRecord]:

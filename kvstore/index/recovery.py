@@ -24,6 +24,7 @@ from kvstore.format.entries import (
     SEGMENT_SEALED,
     EntryLimits,
     PageEntry,
+    decode_page_entry,
     decode_segment_entry,
     segment_key,
     validate_page_entry,
@@ -42,13 +43,14 @@ from kvstore.format.wal import (
     WalRecord,
     decode_body,
 )
-from kvstore.index.lmdb_env import IndexEnv, lmdb_read_errors
+from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv, lmdb_read_errors
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
     META_NEXT_SEGMENT,
     PageTable,
     SegmentState,
+    Tombstone,
     load_retains,
     load_segments,
 )
@@ -59,6 +61,7 @@ __all__ = [
     "apply_delete",
     "apply_move",
     "apply_put",
+    "entries_in_segments",
     "live_segments_now",
     "recover_index",
 ]
@@ -77,6 +80,10 @@ class Recovered:
     notes: list[str] = field(default_factory=list)
     retains: set[bytes] = field(default_factory=set)
     dropped_segments: list[int] = field(default_factory=list)
+    # A degraded open: damage found and repaired or worked around (stats() says so).
+    degraded: list[str] = field(default_factory=list)
+    damaged_wal_headers: int = 0
+    salvaged_wal_records: int = 0
 
 
 def apply_put(
@@ -164,23 +171,31 @@ def recover_index(
     """
     if limits is None:
         limits = read_limits(root)
-    with env.read() as txn:
-        checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
-        lease = env.get_meta(txn, META_LSN_LEASE, 1)
-        next_segment_id = env.get_meta(txn, META_NEXT_SEGMENT, 1)
-    if checkpoint_lsn == 0:
-        raise CorruptionError("index has no checkpoint_lsn; run `kvstore recover PATH`")
-    for name, value in (
-        ("checkpoint_lsn", checkpoint_lsn),
-        ("lsn_lease", lease),
-        ("next_segment_id", next_segment_id),
-    ):
-        _check_sequence(f"index meta {name}", value)
-    table = PageTable(env, limits)
-    segments = load_segments(env)
-    for segment_id, state in segments.items():
-        _check_segment_state(segment_id, state, limits)
-    retains = load_retains(env)
+    # Everything read from LMDB here is checked (checksums, plausibility); a value
+    # that fails is index damage, which a store open salvages (IndexDamagedError).
+    try:
+        with env.read() as txn:
+            checkpoint_lsn = env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+            lease = env.get_meta(txn, META_LSN_LEASE, 1)
+            next_segment_id = env.get_meta(txn, META_NEXT_SEGMENT, 1)
+        if checkpoint_lsn == 0:
+            raise CorruptionError("index has no checkpoint_lsn; run `kvstore recover PATH`")
+        for name, value in (
+            ("checkpoint_lsn", checkpoint_lsn),
+            ("lsn_lease", lease),
+            ("next_segment_id", next_segment_id),
+        ):
+            _check_sequence(f"index meta {name}", value)
+        table = PageTable(env, limits)
+        segments = load_segments(env)
+        for segment_id, state in segments.items():
+            _check_segment_state(segment_id, state, limits)
+        retains = load_retains(env)
+    except IndexDamagedError:
+        raise
+    except CorruptionError as e:
+        message = e.args[0] if e.args else str(e)
+        raise IndexDamagedError(f"the LMDB index is damaged: {message}", [message]) from e
     if segments:
         next_segment_id = max(next_segment_id, max(segments) + 1)
     chain = read_wal_chain(root, store_uuid, checkpoint_lsn)
@@ -190,6 +205,12 @@ def recover_index(
             _check_sequence(f"WAL {wal_file.path.name} record", record.lsn)
     recovered = Recovered(table, segments, lease, 0, checkpoint_lsn, next_segment_id, chain)
     recovered.retains = retains
+    for wal_file in chain:
+        recovered.degraded.extend(wal_file.repairs)
+        recovered.notes.extend(wal_file.repairs)
+        if wal_file.header_damaged:
+            recovered.damaged_wal_headers += 1
+            recovered.salvaged_wal_records += len(wal_file.records)
     decoded = [[(record, decode_body(record)) for record in wal_file.records] for wal_file in chain]
     table.prefetch_for_replay(
         {
@@ -210,6 +231,32 @@ def recover_index(
     issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
     recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)
     return recovered
+
+
+def entries_in_segments(table: PageTable, segment_ids: set[int]) -> list[tuple[bytes, PageEntry]]:
+    """Every live page-table entry (LMDB and overlay) in one of ``segment_ids``.
+
+    One scan of the index; a value that fails its checksum is skipped (reads of its
+    key raise CorruptionError, and fsck reports it).
+    """
+    overlay: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
+    overlay.update(table.active)
+    found: list[tuple[bytes, PageEntry]] = []
+    for key, raw in table.env.iter_items(table.env.pages):
+        if key in overlay:
+            continue
+        try:
+            entry = decode_page_entry(key, raw)
+            if table.limits is not None:
+                validate_page_entry(key, entry, table.limits)
+        except CorruptionError:
+            continue
+        if entry.segment_id in segment_ids:
+            found.append((key, entry))
+    for key, slot in overlay.items():
+        if isinstance(slot, PageEntry) and slot.segment_id in segment_ids:
+            found.append((key, slot))
+    return found
 
 
 def live_segments_now(

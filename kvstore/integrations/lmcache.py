@@ -27,6 +27,10 @@ Invariants:
 - A page is pinned in the store while it is read, and ``contains(key,
   pin=True)`` / ``pin`` pin it until ``unpin``.
 - A page whose bytes fail their checksum is deleted and reported as a miss.
+- A store that refuses to open fails LMCache's start (``KVStoreTierRefusedError``,
+  which LMCache's plugin launcher cannot swallow); one that opens degraded is
+  reported by a warning at start and by ``kvstore_lmcache_degraded{path}`` (and the
+  other ``kvstore_lmcache_*`` gauges) on prometheus_client's default registry.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,7 +56,7 @@ from lmcache.v1.storage_backend.abstract_backend import (  # type: ignore[import
 from kvstore.errors import CorruptionError, KVStoreError, PinError
 from kvstore.store import KVStore
 
-__all__ = ["SUPPORTED_LMCACHE", "KVStoreBackend"]
+__all__ = ["SUPPORTED_LMCACHE", "KVStoreBackend", "KVStoreTierRefusedError"]
 
 #: The LMCache releases whose StoragePluginInterface this plugin implements.
 SUPPORTED_LMCACHE = ">=0.4.4,<=0.5.6"
@@ -102,6 +107,89 @@ def _layout(
     return shapes, dtypes, fmt
 
 
+class KVStoreTierRefusedError(BaseException):
+    """The plugin's store refused to open: LMCache must not start without its tier.
+
+    A ``BaseException`` on purpose: LMCache's plugin launcher catches every
+    ``Exception`` a plugin's constructor raises, logs one line and runs on without
+    the tier (every stored chunk silently unreachable). This one reaches the
+    engine's start instead. The cause is the store's ``KVStoreError``; the message
+    names the fix.
+    """
+
+
+def _open_store(path: str, options: dict[str, Any]) -> KVStore:
+    try:
+        return KVStore.open(path, create=True, **options)
+    except KVStoreError as e:
+        message = (
+            f"the kvstore LMCache plugin cannot open its store at {path}: {e}. LMCache does "
+            f"not start without this tier: repair the store (`kvstore fsck {path}`, then "
+            f"`kvstore recover {path}`) or point kvstore.path elsewhere"
+        )
+        _log.critical("%s", message)
+        raise KVStoreTierRefusedError(message) from e
+
+
+_DEGRADED_GAUGES = (
+    ("degraded", "1 when the plugin's store opened around damage (see kvstore fsck)"),
+    ("quarantined_segments", "Segments the store quarantined at open"),
+    ("quarantined_pages", "Pages the store could not vouch for at open (misses)"),
+    ("salvaged_pages", "Pages of quarantined segments that verified and are served"),
+    ("damaged_wal_headers", "WAL files whose damaged header the store worked around"),
+    ("index_salvaged", "1 when the store's LMDB index was rebuilt at open"),
+)
+_open_backends: weakref.WeakSet[KVStoreBackend] = weakref.WeakSet()
+_collector_registered = False
+_collector_lock = threading.Lock()
+
+
+class _DegradedCollector:
+    """``kvstore_<name>{path}`` gauges of every open plugin store in this process."""
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        backends = [b for b in list(_open_backends) if not b._closed]
+        for name, documentation in _DEGRADED_GAUGES:
+            family = GaugeMetricFamily(f"kvstore_lmcache_{name}", documentation, labels=["path"])
+            for backend in backends:
+                family.add_metric([backend.path], float(backend.degraded.get(name, 0)))
+            yield family
+
+
+def _register_collector() -> None:
+    global _collector_registered
+    with _collector_lock:
+        if _collector_registered:
+            return
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:  # pragma: no cover - prometheus_client is a dependency
+            return
+        REGISTRY.register(_DegradedCollector())
+        _collector_registered = True
+
+
+def _report_degraded(backend: KVStoreBackend) -> dict[str, int]:
+    """Warn once (at engine start) if the store opened degraded; export the gauges."""
+    stats = backend.store.stats()
+    report = {name: int(getattr(stats, name)) for name, _ in _DEGRADED_GAUGES}
+    _open_backends.add(backend)
+    _register_collector()
+    if stats.degraded:
+        _log.warning(
+            "kvstore LMCache plugin: the store at %s opened DEGRADED (%s): chunks it could "
+            "not vouch for are misses and will be recomputed; run `kvstore fsck %s` for the "
+            "repairs. %s",
+            backend.path,
+            ", ".join(f"{name}={value}" for name, value in report.items() if value),
+            backend.path,
+            " | ".join(stats.degraded_reasons),
+        )
+    return report
+
+
 class KVStoreBackend(StoragePluginInterface):  # type: ignore[misc]
     """LMCache chunks as pages of a ``KVStore``.
 
@@ -148,11 +236,16 @@ class KVStoreBackend(StoragePluginInterface):  # type: ignore[misc]
             raise ValueError(f"kvstore.io_threads must be at least 1, got {io_threads}")
         self._sync_puts = str(options.pop("sync_puts", "false")).lower() in ("1", "true", "yes")
         self.path = str(path)
-        self.store = KVStore.open(self.path, create=True, **options)
+        self.store = _open_store(self.path, options)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-lmcache")
         self._lock = threading.Lock()
         self._put_tasks: set[bytes] = set()
         self._closed = False
+        #: What the store could not vouch for at open (all zero when healthy); also
+        #: exported as ``kvstore_lmcache_degraded{path}`` and friends on
+        #: prometheus_client's default registry (the one LMCache and vLLM serve).
+        self.degraded: dict[str, int] = {}
+        self.degraded = _report_degraded(self)
 
     def __str__(self) -> str:
         return "KVStoreBackend"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.errors import CorruptionError, IOFailure
+from kvstore.errors import CorruptionError, IOFailure, KVStoreError
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.names import SEGMENTS_DIR, parse_segment_name, segment_path
 from kvstore.format.records import (
@@ -27,7 +27,13 @@ from kvstore.io.buffers import AlignedBuffer
 from kvstore.io.files import fsync_dir, open_data_file
 from kvstore.log.regular import open_regular, require_regular
 
-__all__ = ["Segment", "create_segment", "list_segment_files", "open_segment"]
+__all__ = [
+    "Segment",
+    "create_segment",
+    "list_segment_files",
+    "open_segment",
+    "open_untrusted_segment",
+]
 
 
 @dataclass(slots=True)
@@ -145,6 +151,33 @@ def open_segment(
     return Segment(
         segment_id, generation, path, fd, header.segment_bytes, head, header.created_unix_ns
     )
+
+
+def open_untrusted_segment(
+    root: Path,
+    segment_id: int,
+    generation: int,
+    head: int,
+    *,
+    size_bytes: int,
+    direct: bool,
+    readonly: bool = False,
+) -> Segment | None:
+    """Open a segment whose header ``open_segment`` refused, for reading only.
+
+    Its header is not trusted: the id and generation come from the index and the
+    size from the superblock. Nothing may be written into it; every record read
+    from it is still verified against its index entry (key, location, generation,
+    LSN, length, checksums), which the record carries itself. None when there is
+    no regular file to open.
+    """
+    path = segment_path(root, segment_id)
+    try:
+        require_regular(path)
+        fd = open_regular(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    except (OSError, KVStoreError):
+        return None
+    return Segment(segment_id, generation, path, fd, size_bytes, head, 0)
 
 
 def list_segment_files(root: Path) -> dict[int, Path]:

@@ -18,7 +18,7 @@ import contextlib
 import os
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import CorruptionError, IOFailure, WriterFailedError
@@ -27,9 +27,13 @@ from kvstore.format.wal import (
     WAL_FILE_HEADER_BYTES,
     WalFileHeader,
     WalRecord,
+    WalScan,
     decode_wal_file_header,
     encode_wal_file_header,
+    encode_wal_record,
     iter_records,
+    repair_record,
+    repair_wal_file_header,
 )
 from kvstore.io.files import FILE_MODE, fsync_dir
 
@@ -129,6 +133,9 @@ class WalFile:
     valid_end: int
     file_bytes: int
     torn_tail: str | None  # why the tail was cut, if it was
+    # What was damaged and repaired or taken on trust in this file (a degraded open):
+    repairs: list[str] = field(default_factory=list)
+    header_damaged: bool = False  # its header failed its checksum; records were still used
 
 
 def _open_wal_file(path: Path) -> int:
@@ -211,6 +218,8 @@ def _read_chain(files: list[tuple[int, Path]], fds: list[int], store_uuid: bytes
         is_last = position == len(files) - 1
         fd, fds[position] = fds[position], -1
         data = _read_wal_file(path, fd)
+        repairs: list[str] = []
+        link_known, header_damaged = True, False
         try:
             header = decode_wal_file_header(data)
         except CorruptionError:
@@ -218,28 +227,92 @@ def _read_chain(files: list[tuple[int, Path]], fds: list[int], store_uuid: bytes
                 # Created but never got its header durably: a crash during rotation.
                 chain.append(WalFile(first, path, [], 0, len(data), "header never written"))
                 break
-            raise CorruptionError(
-                f"WAL file {path.name} has a damaged header; run `kvstore recover PATH`"
-            ) from None
+            header, link_known, how = _damaged_header(data, store_uuid, first, chain)
+            header_damaged = True
+            repairs.append(f"{path.name}: damaged file header; {how}")
         if header.store_uuid != store_uuid or header.first_lsn != first:
             raise CorruptionError(
                 f"WAL file {path.name} does not belong here; run `kvstore recover PATH`"
             )
-        if chain and header.prev_first_lsn != chain[-1].first_lsn:
+        if link_known and chain and header.prev_first_lsn != chain[-1].first_lsn:
             raise CorruptionError(
                 f"WAL chain broken before {path.name}: it follows "
                 f"{header.prev_first_lsn:016x}.wal, which is missing; run `kvstore recover PATH`"
             )
-        scan = iter_records(data, WAL_FILE_HEADER_BYTES)
+        scan = _scan_repairing(data, path.name, repairs)
         if scan.stop_reason is not None and (not is_last or scan.later_valid_offset is not None):
             raise CorruptionError(
                 f"WAL file {path.name} is corrupt at byte {scan.valid_end} "
-                f"({scan.stop_reason}) with valid records after it; run `kvstore recover PATH`"
+                f"({scan.stop_reason}) with valid records after it: a change logged there "
+                "cannot be read, so the pages it touched cannot be vouched for; run "
+                "`kvstore recover PATH`"
             )
         chain.append(
-            WalFile(first, path, scan.records, scan.valid_end, len(data), scan.stop_reason)
+            WalFile(
+                first,
+                path,
+                scan.records,
+                scan.valid_end,
+                len(data),
+                scan.stop_reason,
+                repairs,
+                header_damaged,
+            )
         )
     return chain
+
+
+_HEADER_TAKEN = "its records are used, each verified by its own checksum"
+_MAX_RECORD_REPAIRS = 8  # per file; more damage than this is no stray flip
+
+
+def _damaged_header(
+    data: bytes, store_uuid: bytes, first: int, chain: list[WalFile]
+) -> tuple[WalFileHeader, bool, str]:
+    """A header that failed its checksum: (header, whether its chain link is known, how).
+
+    Its records follow at a fixed offset and carry their own checksums, so they are
+    used either way; what the header alone says (store, first LSN, predecessor) is
+    the file's name, the store's uuid and, when a repair proves it, the stored link.
+    """
+    prev = chain[-1].first_lsn if chain else None
+    repaired = repair_wal_file_header(data, store_uuid, first, prev)
+    if repaired is not None:
+        header, how = repaired
+        return header, True, f"{how}; {_HEADER_TAKEN}"
+    # More than one byte is damaged: the file's name still says where it belongs in
+    # the chain (the next file's header names this one), but its own link to its
+    # predecessor cannot be checked.
+    header = WalFileHeader(store_uuid, first, prev or 0, 0)
+    return (
+        header,
+        False,
+        f"could not be repaired (link to its predecessor unchecked); {_HEADER_TAKEN}",
+    )
+
+
+def _scan_repairing(data: bytes, name: str, repairs: list[str]) -> WalScan:
+    """``iter_records`` that undoes a single damaged byte in a record (``repair_record``)."""
+    records: list[WalRecord] = []
+    start = WAL_FILE_HEADER_BYTES
+    for _ in range(_MAX_RECORD_REPAIRS + 1):
+        scan = iter_records(data, start)
+        records.extend(scan.records)
+        if scan.stop_reason is None or len(repairs) > _MAX_RECORD_REPAIRS:
+            break
+        end = scan.later_valid_offset if scan.later_valid_offset is not None else len(data)
+        fixed = repair_record(data, scan.valid_end, end)
+        if fixed is None:
+            break
+        raw = encode_wal_record(fixed.record_type, fixed.lsn, fixed.body)
+        data = data[: scan.valid_end] + raw + data[end:]
+        repairs.append(
+            f"{name}: record at byte {scan.valid_end} ({scan.stop_reason}) had one damaged "
+            "byte, undone (proven by its checksum)"
+        )
+        start = scan.valid_end
+    scan.records = records
+    return scan
 
 
 def _looks_unwritten(data: bytes) -> bool:

@@ -208,6 +208,14 @@ class StoreCollector(Collector):
             ("pinned_pages", "Pins held in this process"),
             ("retained_pages", "Retained pages"),
             ("capacity_bytes", "The store's capacity"),
+            # A degraded open (docs/operations.md, "Degraded open"): nonzero means the
+            # store opened around damage; `kvstore fsck PATH` says what to repair.
+            ("degraded", "1 when this open found damage it repaired, salvaged or quarantined"),
+            ("quarantined_segments", "Segments with a damaged header or file, never written"),
+            ("quarantined_pages", "Pages the index named that failed verification (misses)"),
+            ("salvaged_pages", "Pages of quarantined segments that verified and are served"),
+            ("damaged_wal_headers", "WAL files whose header was damaged (records replayed)"),
+            ("index_salvaged", "1 when the LMDB index was damaged and rebuilt at open"),
         ):
             if name in gauges:
                 yield _gauge(f"kvstore_{name}", documentation, gauges[name])

@@ -244,3 +244,54 @@ def test_stored_page_is_readable_by_plain_kvstore(tmp_path: Path) -> None:
     with KVStore.open(path, readonly=True) as store:
         assert store.get(page_key) == expected
         assert page_key.startswith(b"lmcache/" + MODEL.encode())
+
+
+def test_a_refused_store_fails_lmcache_start(tmp_path: Path) -> None:
+    """LMCache's launcher logs and swallows any Exception from a plugin: a store that
+    refuses to open (here: a superblock no header can prove) must stop the start."""
+    from kvstore.integrations.lmcache import KVStoreTierRefusedError
+
+    path = tmp_path / "kv"
+    Backends(path).close()
+    with open(path / "KVSTORE", "r+b") as handle:  # fields and checksum: beyond proof
+        handle.seek(48)
+        handle.write(b"\xff\xff")
+        handle.seek(4090)
+        handle.write(b"\xff\xff")
+    with pytest.raises(KVStoreTierRefusedError, match="does not start without this tier"):
+        Backends(path)
+
+
+def test_a_degraded_store_warns_and_exports_gauges(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    path = tmp_path / "kv"
+    opened = Backends(path)
+    objs = [opened.chunk(seed) for seed in range(3)]
+    put(opened, [key(seed) for seed in range(3)], objs)
+    expected = {seed: bytes(obj.byte_array) for seed, obj in enumerate(objs)}
+    for obj in objs:
+        obj.ref_count_down()
+    opened.close()
+    segment = next((path / "segments").iterdir())
+    with open(segment, "r+b") as handle:  # one flipped byte in a segment header
+        handle.seek(20)
+        byte = handle.read(1)
+        handle.seek(20)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    caplog.set_level("WARNING", logger="kvstore.integrations.lmcache")
+    reopened = Backends(path)
+    try:
+        assert "DEGRADED" in caplog.text and str(path) in caplog.text
+        assert reopened.plugin.degraded["degraded"] == 1
+        assert reopened.plugin.degraded["quarantined_segments"] == 1
+        exposition = generate_latest(REGISTRY).decode()
+        assert f'kvstore_lmcache_degraded{{path="{path}"}} 1.0' in exposition
+        for seed, want in expected.items():  # every chunk still served, verified
+            got = reopened.plugin.get_blocking(key(seed))
+            assert got is not None and bytes(got.byte_array) == want
+            got.ref_count_down()
+    finally:
+        reopened.close()

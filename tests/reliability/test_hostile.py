@@ -572,7 +572,7 @@ def test_truncated_files(
     _both(root, tmp_path, pristine.expected, watch)
 
 
-def test_truncated_lmdb_is_refused_not_sigbus(
+def test_truncated_lmdb_opens_degraded_not_sigbus(
     pristine: Pristine, tmp_path: Path, watch: Watch
 ) -> None:
     """Regression: LMDB maps data.mdb and trusts its meta page; a truncated file
@@ -580,8 +580,23 @@ def test_truncated_lmdb_is_refused_not_sigbus(
     root = _copy(pristine.root, tmp_path, "store")
     data = root / "index" / "data.mdb"
     os.truncate(data, 3 * BLOCK_BYTES)
-    with pytest.raises(CorruptionError, match="truncated"):
-        KVStore.open(root, readonly=True)
+    # LMDB never maps it: the open salvages what verifies (degraded), and every
+    # page it serves is right.
+    with KVStore.open(root, readonly=True) as store:
+        assert store.stats().index_salvaged
+        _assert_serves_only_right_pages(store, pristine.expected)
+
+
+def _assert_serves_only_right_pages(store: KVStore, expected: sweep.Expected) -> int:
+    """No wrong, stale or resurrected page; returns how many pages it served."""
+    served = 0
+    for key, value in expected.pages.items():
+        got = store.get(key)
+        assert got is None or got == value, key
+        served += got is not None
+    for key in expected.deleted:
+        assert store.get(key) is None, key
+    return served
 
 
 def _damage_lmdb_node_offset(root: Path) -> None:
@@ -619,9 +634,10 @@ def _in_child(body: Callable[[], str]) -> str:
     return output
 
 
-def test_damaged_lmdb_tree_is_refused_not_sigbus(pristine: Pristine, tmp_path: Path) -> None:
+def test_damaged_lmdb_tree_opens_degraded_not_sigbus(pristine: Pristine, tmp_path: Path) -> None:
     """Regression: a flipped node offset in an LMDB leaf made LMDB read past the end
-    of data.mdb (SIGBUS). Open refuses it, fsck reports it, recover rebuilds."""
+    of data.mdb (SIGBUS). Open salvages what verifies (degraded, never LMDB on the
+    damaged file), fsck reports it, recover rebuilds."""
     from kvstore.check import check_path
     from kvstore.recover import recover_store
 
@@ -629,10 +645,12 @@ def test_damaged_lmdb_tree_is_refused_not_sigbus(pristine: Pristine, tmp_path: P
     _damage_lmdb_node_offset(root)
 
     def open_it() -> str:
-        KVStore.open(root, readonly=True).close()
+        with KVStore.open(root, readonly=True) as store:  # degraded: a private salvage
+            assert store.stats().index_salvaged
+            _assert_serves_only_right_pages(store, pristine.expected)
         return "opened"
 
-    assert "raised CorruptionError" in _in_child(open_it)
+    assert _in_child(open_it) == "opened"
     assert "index-unreadable" in _in_child(
         lambda: " ".join(finding.kind for finding in check_path(root))
     )

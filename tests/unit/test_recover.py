@@ -298,9 +298,23 @@ def test_cli_exit_codes(open_store: OpenStore, store_path: Path, tmp_path: Path)
     assert runner.invoke(main, ["recover", str(tmp_path / "nothing")]).exit_code == 8
     with pytest.raises(StoreNotFoundError):
         recover_store(tmp_path / "nothing")
+    pristine = (store_path / "KVSTORE").read_bytes()
     with open(store_path / "KVSTORE", "r+b") as handle:
         handle.seek(100)
         handle.write(b"\xff")
-    with pytest.raises(CorruptionError, match="superblock"):
+    # One damaged byte: the segment and WAL headers and the stored checksum prove the
+    # original, and recover writes it back.
+    rebuilt = runner.invoke(main, ["recover", str(store_path), "--json"])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert json.loads(rebuilt.output)["superblock_rebuilt"] is True
+    assert (store_path / "KVSTORE").read_bytes() == pristine
+    # Damage that nothing proves (a page limit only the superblock holds, and the
+    # checksum): the identity cannot be established; recover refuses and says so.
+    with open(store_path / "KVSTORE", "r+b") as handle:
+        handle.seek(48)
+        handle.write(b"\xff\xff")
+        handle.seek(4090)
+        handle.write(b"\xff\xff")
+    with pytest.raises(CorruptionError, match="identity cannot be established"):
         recover_store(store_path)
     assert runner.invoke(main, ["recover", str(store_path)]).exit_code == 8

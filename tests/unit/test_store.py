@@ -619,14 +619,33 @@ def test_junk_after_the_last_record_is_ignored(
 
 
 def test_corrupt_record_before_valid_ones_refuses_to_open(store_path: Path) -> None:
+    """Two damaged bytes: the record cannot be read, and what it changed (it could
+    be a delete) cannot be vouched for."""
     crash_with_three_synced_puts(store_path)
     wal = newest_wal_file(store_path)
     data = bytearray(wal.read_bytes())
     records = iter_records(bytes(data)).records
     data[records[-2].end_offset - 3] ^= 0xFF  # inside the PUT of p1; p2 follows intact
+    data[records[-2].end_offset - 12] ^= 0x01
     wal.write_bytes(bytes(data))
     with pytest.raises(CorruptionError, match="kvstore recover"):
         KVStore.open(store_path, **SMALL)
+
+
+def test_one_damaged_byte_in_a_record_is_undone_at_open(
+    open_store: OpenStore, store_path: Path
+) -> None:
+    puts = crash_with_three_synced_puts(store_path)
+    wal = newest_wal_file(store_path)
+    data = bytearray(wal.read_bytes())
+    records = iter_records(bytes(data)).records
+    data[records[-2].end_offset - 3] ^= 0xFF  # inside the PUT of p1; p2 follows intact
+    wal.write_bytes(bytes(data))
+    store = open_store()
+    assert_contents(store, puts)
+    stats = store.stats()
+    assert stats.degraded and "one damaged byte, undone" in stats.degraded_reasons[0]
+    assert stats.quarantined_pages == 0
 
 
 # -- readers and writers ---------------------------------------------------------------------

@@ -184,15 +184,50 @@ def test_torn_tail_of_an_older_file_is_corruption(root: Path) -> None:
 
 
 def test_corrupt_middle_record_of_the_last_file_is_corruption(root: Path) -> None:
+    """Two damaged bytes in a record followed by good ones: the change logged there
+    cannot be read (it may have been a delete), so the store cannot vouch for it."""
     write_chain(root, [(1, [2, 3, 4])])
     path = wal_path(root, 1)
     data = bytearray(path.read_bytes())
     second = iter_records(bytes(data)).records[0].end_offset
     data[second + 25] ^= 0xFF
+    data[second + 30] ^= 0x0F
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptionError, match="kvstore recover") as caught:
         read_wal_chain(root, STORE_UUID, 1)
     assert f"byte {second}" in str(caught.value)
+
+
+@pytest.mark.parametrize("where", ["magic", "length", "body", "checksum"])
+def test_one_damaged_byte_in_a_record_is_undone(root: Path, where: str) -> None:
+    """A single damaged byte (a bit flip, one byte overwritten) is repaired, proven by
+    the record's own checksum, in the middle and in the newest file's last record
+    alike: no logged change (a DELETE, say) is lost to it."""
+    write_chain(root, [(1, [2, 3, 4])])
+    path = wal_path(root, 1)
+    pristine = path.read_bytes()
+    records = iter_records(pristine).records
+    for index in (1, 2):  # a record in the middle, the newest file's last record
+        start, end = records[index - 1].end_offset, records[index].end_offset
+        at = {"magic": start + 1, "length": start + 5, "body": start + 40, "checksum": end - 3}
+        data = bytearray(pristine)
+        data[at[where]] ^= 0x5A
+        path.write_bytes(bytes(data))
+        chain = read_wal_chain(root, STORE_UUID, 1)
+        assert lsns_of(chain) == [[2, 3, 4]]
+        assert [r.body for r in chain[0].records] == [r.body for r in records]
+        assert chain[0].torn_tail is None
+        assert any("one damaged byte, undone" in note for note in chain[0].repairs)
+
+
+def test_a_torn_last_record_is_not_mistaken_for_a_damaged_byte(root: Path) -> None:
+    write_chain(root, [(1, [2, 3, 4])])
+    path = wal_path(root, 1)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])  # one byte short: torn, not damaged
+    chain = read_wal_chain(root, STORE_UUID, 1)
+    assert lsns_of(chain) == [[2, 3]]
+    assert chain[0].torn_tail is not None and chain[0].repairs == []
 
 
 def test_file_of_another_store_is_corruption(root: Path) -> None:
@@ -210,13 +245,49 @@ def test_file_renamed_to_another_lsn_is_corruption(root: Path) -> None:
         read_wal_chain(root, STORE_UUID, 1)
 
 
-def test_damaged_header_of_an_older_file_is_corruption(root: Path) -> None:
+@pytest.mark.parametrize("offset", [0, 9, 20, 33, 41, 50, 60])
+@pytest.mark.parametrize("position", [0, 1])
+def test_a_damaged_header_is_repaired_and_its_records_used(
+    root: Path, offset: int, position: int
+) -> None:
+    """One damaged byte anywhere in a file header (magic, uuid, first or previous
+    LSN, creation time, checksum) is undone, proven by the header checksum; the
+    chain link is still checked and every record is replayed."""
     write_chain(root, [(1, [2]), (10, [11])])
-    path = wal_path(root, 1)
+    path = wal_path(root, [1, 10][position])
     data = bytearray(path.read_bytes())
-    data[20] ^= 1
+    data[offset] ^= 1
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptionError, match="damaged header"):
+    chain = read_wal_chain(root, STORE_UUID, 1)
+    assert lsns_of(chain) == [[2], [11]]
+    damaged = chain[position]
+    assert damaged.header_damaged and "damaged file header" in damaged.repairs[0]
+    assert "unchecked" not in damaged.repairs[0]
+
+
+def test_a_header_beyond_repair_still_gives_its_records(root: Path) -> None:
+    """Creation time and checksum both damaged: the header cannot be proven, but its
+    records carry their own checksums and the file's name its place in the chain."""
+    write_chain(root, [(1, [2]), (10, [11, 12])])
+    path = wal_path(root, 10)
+    data = bytearray(path.read_bytes())
+    data[50:62] = b"\xff" * 12
+    path.write_bytes(bytes(data))
+    chain = read_wal_chain(root, STORE_UUID, 1)
+    assert lsns_of(chain) == [[2], [11, 12]]
+    assert chain[1].header_damaged and "unchecked" in chain[1].repairs[0]
+
+
+def test_a_damaged_header_does_not_hide_a_missing_predecessor(root: Path) -> None:
+    """The link is checked once the header is repaired: a missing middle file is
+    still a broken chain."""
+    write_chain(root, [(1, [2]), (10, [11]), (20, [21])])
+    wal_path(root, 10).unlink()
+    path = wal_path(root, 20)
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError, match="chain broken"):
         read_wal_chain(root, STORE_UUID, 1)
 
 
@@ -229,10 +300,13 @@ def test_newest_file_whose_header_never_landed_is_a_torn_rotation(root: Path, si
     assert chain[-1].torn_tail == "header never written"
 
 
-def test_only_file_with_a_zeroed_header_is_corruption(root: Path) -> None:
+def test_only_file_with_a_zeroed_header_has_no_records_to_lose(root: Path) -> None:
+    """The checkpoint's file with its header zeroed (and nothing after it): there is
+    no record to replay, so nothing is lost; the damage is reported."""
     wal_path(root, 1).write_bytes(bytes(WAL_FILE_HEADER_BYTES))
-    with pytest.raises(CorruptionError, match="kvstore recover"):
-        read_wal_chain(root, STORE_UUID, 1)
+    chain = read_wal_chain(root, STORE_UUID, 1)
+    assert lsns_of(chain) == [[]]
+    assert chain[0].header_damaged and chain[0].torn_tail is None
 
 
 # -- segments -------------------------------------------------------------------------
