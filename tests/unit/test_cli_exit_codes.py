@@ -113,6 +113,13 @@ def test_stat_and_wear_json_errors(built: Path, tmp_path: Path) -> None:
     assert json_of(result)["error"]["type"] == "FormatVersionError"
 
 
+def test_metrics_and_report_of_a_missing_store_exit_8(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing")
+    assert run("metrics", missing, "--port", "0").exit_code == 8  # before serving anything
+    assert run("report", missing, "--html", str(tmp_path / "r.html")).exit_code == 8
+    assert not (tmp_path / "r.html").exists()
+
+
 # -- put, get, init --------------------------------------------------------------------------
 
 
