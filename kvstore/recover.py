@@ -36,6 +36,7 @@ import lmdb
 
 from kvstore.errors import (
     CorruptionError,
+    FormatVersionError,
     IOFailure,
     KVStoreError,
     NotRegularFileError,
@@ -80,9 +81,11 @@ from kvstore.format.wal import (
     SegmentFreeBody,
     SegmentOpenBody,
     WalBody,
+    WalFileHeader,
     decode_body,
     decode_wal_file_header,
     iter_records,
+    repair_wal_file_header,
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
 from kvstore.index.lmdb_verify import verify_lmdb_file
@@ -95,7 +98,7 @@ from kvstore.index.table import (
 )
 from kvstore.io.files import acquire_writer_lock, fsync_dir, write_file_durably
 from kvstore.log.regular import read_regular, require_regular
-from kvstore.log.wal import WalWriter
+from kvstore.log.wal import WalWriter, scan_repairing
 
 __all__ = [
     "LOSS_REASONS",
@@ -282,6 +285,8 @@ class _Scan:
     short_segments: list[_Segment] = field(default_factory=list)
     max_lsn: int = 0
     max_segment_id: int = 0
+    suspect: set[bytes] = field(default_factory=set)  # vouched for only before a WAL gap
+    wal_gap: bool = False
 
     def saw_lsn(self, lsn: int) -> None:
         self.max_lsn = max(self.max_lsn, lsn)
@@ -549,40 +554,82 @@ def _read_wal(root: Path, scan: _Scan, report: RecoveryReport) -> None:
             return Tombstone(floor)
         return state
 
-    for first, path in files:
+    for position, (first, path) in enumerate(files):
         if checkpoint is not None and first < checkpoint:
             report.notes.append(f"{path.name}: older than the checkpoint; not replayed")
             continue
         try:
             data = path.read_bytes()
-            header = decode_wal_file_header(data)
-        except (OSError, KVStoreError) as e:
-            report.notes.append(f"{path.name}: unreadable header ({e}); ignored")
+        except OSError as e:
+            report.notes.append(f"{path.name}: unreadable ({e}); its changes are lost")
+            _wal_gap(scan, report, f"{path.name} could not be read")
             continue
-        if header.store_uuid != scan.superblock.store_uuid:
+        try:
+            header: WalFileHeader | None = decode_wal_file_header(data)
+        except (CorruptionError, FormatVersionError) as e:
+            # Its records follow at a fixed offset and carry their own checksums: a
+            # damaged header must not lose them (a DELETE there would come back).
+            repaired = repair_wal_file_header(data, scan.superblock.store_uuid, first, None)
+            header = None if repaired is None else repaired[0]
+            how = "repaired" if repaired is not None else "beyond repair"
+            report.notes.append(
+                f"{path.name}: damaged header ({e.args[0]}), {how}; its records are used, "
+                "each verified by its own checksum"
+            )
+        if header is not None and header.store_uuid != scan.superblock.store_uuid:
             report.notes.append(f"{path.name}: belongs to another store; ignored")
             continue
         report.wal_files_read += 1
-        result = iter_records(data)
+        repairs: list[str] = []
+        result = scan_repairing(data, path.name, repairs)
+        report.notes.extend(repairs)
+        records = list(result.records)
+        is_last = position == len(files) - 1
         if result.stop_reason is not None:
             report.notes.append(
                 f"{path.name}: records end at byte {result.valid_end} ({result.stop_reason})"
             )
-        for record in result.records:
+        gap_at = None
+        if result.stop_reason is not None and (
+            not is_last or result.later_valid_offset is not None
+        ):
+            gap_at = len(records)
+            if result.later_valid_offset is not None:  # replay what follows the gap too
+                records += iter_records(data, result.later_valid_offset).records
+        for index, record in enumerate(records):
+            if index == gap_at:
+                _wal_gap(scan, report, f"{path.name} at byte {result.valid_end}")
             try:
                 body = decode_body(record)
             except KVStoreError as e:
                 report.notes.append(f"{path.name}: {e}; the rest of the file is ignored")
+                _wal_gap(scan, report, f"{path.name}: a record that does not decode")
                 break
             if not _plausible_body(scan, record.lsn, body):
                 report.notes.append(
                     f"{path.name}: record at lsn {record.lsn} holds implausible numbers; "
                     "the rest of the file is ignored"
                 )
+                _wal_gap(scan, report, f"{path.name}: a record with implausible numbers")
                 break
             report.wal_records_used += 1
             scan.saw_lsn(record.lsn)
             _apply(scan, current, record.lsn, body)
+        if gap_at is not None and gap_at >= len(records):
+            _wal_gap(scan, report, f"{path.name} at byte {result.valid_end}")
+
+
+def _wal_gap(scan: _Scan, report: RecoveryReport, where: str) -> None:
+    """A WAL record that cannot be read: what it changed is unknown (it may have been
+    a DELETE), so no state older than it vouches for a page any more."""
+    suspects = {key for key, state in scan.states.items() if isinstance(state, _Entry)}
+    scan.suspect |= suspects
+    scan.wal_gap = True
+    report.notes.append(
+        f"WAL gap ({where}): a logged change cannot be read; the {len(suspects)} pages "
+        "vouched for only by older states are dropped (unvouched) unless a later record "
+        "names them"
+    )
 
 
 def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, body: WalBody) -> None:
@@ -607,10 +654,12 @@ def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, bod
             applies = now is None or now.lsn <= lsn
         if applies:
             states[put.key] = _Entry(entry, "wal")
+            scan.suspect.discard(put.key)
     elif isinstance(body, DeleteBody):
         now = current(body.key)
         if now is None or now.lsn <= lsn:
             states[body.key] = Tombstone(lsn)
+            scan.suspect.discard(body.key)
         scan.retains.discard(body.key)
     elif isinstance(body, RetainBody):
         if body.retained:
@@ -762,6 +811,17 @@ def _decide(scan: _Scan, report: RecoveryReport, *, salvage: bool) -> dict[bytes
         freed = [r for r in scan.records.get(key, []) if r not in records]
         chosen: _Record | None = None
         source = ""
+        if isinstance(state, _Entry) and key in scan.suspect:
+            # Vouched for only by a state older than a WAL gap: the record that cannot
+            # be read may have deleted or overwritten it. ``--salvage`` may keep the
+            # newest valid record, with the risk it documents.
+            if not salvage:
+                for r in records + freed:
+                    report.dropped.append(
+                        DroppedRecord(key, r.lsn, r.segment_id, r.offset, "unvouched")
+                    )
+                continue
+            state = None
         if isinstance(state, _Entry):
             want = state.entry
             match = next(

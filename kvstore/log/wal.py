@@ -37,7 +37,7 @@ from kvstore.format.wal import (
 )
 from kvstore.io.files import FILE_MODE, fsync_dir
 
-__all__ = ["WalFile", "WalWriter", "list_wal_files", "read_wal_chain"]
+__all__ = ["WalFile", "WalWriter", "list_wal_files", "read_wal_chain", "scan_repairing"]
 
 
 class WalWriter:
@@ -239,7 +239,7 @@ def _read_chain(files: list[tuple[int, Path]], fds: list[int], store_uuid: bytes
                 f"WAL chain broken before {path.name}: it follows "
                 f"{header.prev_first_lsn:016x}.wal, which is missing; run `kvstore recover PATH`"
             )
-        scan = _scan_repairing(data, path.name, repairs)
+        scan = scan_repairing(data, path.name, repairs)
         if scan.stop_reason is not None and (not is_last or scan.later_valid_offset is not None):
             raise CorruptionError(
                 f"WAL file {path.name} is corrupt at byte {scan.valid_end} "
@@ -291,7 +291,7 @@ def _damaged_header(
     )
 
 
-def _scan_repairing(data: bytes, name: str, repairs: list[str]) -> WalScan:
+def scan_repairing(data: bytes, name: str, repairs: list[str]) -> WalScan:
     """``iter_records`` that undoes a single damaged byte in a record (``repair_record``)."""
     records: list[WalRecord] = []
     start = WAL_FILE_HEADER_BYTES
