@@ -9,6 +9,7 @@ deleted key), and what it lost or worked around is visible in ``stats()``,
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -362,7 +363,7 @@ def _delete_record(path: Path) -> tuple[Path, int, int]:
 
     newest = wal_files(path)[-1]
     records = iter_records(newest.read_bytes()).records
-    for previous, record in zip(records, records[1:], strict=False):
+    for previous, record in itertools.pairwise(records):
         if record.record_type == WAL_DELETE:
             return newest, previous.end_offset, record.end_offset
     raise AssertionError("no DELETE record")
