@@ -84,6 +84,8 @@ bench-full: $(BIN)/.dev-installed
 
 torture: $(BIN)/.dev-installed
 	$(BIN)/python tools/crashloop.py --dir ./torture-data --cycles 200 --capacity-mib 64 --retain
+	$(BIN)/python tools/crashloop.py --dir ./torture-data/threads --cycles 200 --threads 4 \
+		--flush-interval-ms 1 --retain --busy-threads 1
 
 clean:
 	rm -rf $(VENV) $(VENV_INTEG) $(DEMO_DIR) ./bench-data ./torture-data
