@@ -50,14 +50,25 @@ class Binding:
         self.version: str = str(getattr(module, "__version__", "") or _dist_version())
         self.file: str = str(getattr(module, "__file__", "") or "")
 
+    def _checked(self, what: str, *args: Any) -> Any:
+        """The binding's ``what(*args)``; an ``OSError`` (2026) or a negative
+        result (2024 returns some errors as ints) becomes ``IOFailure``."""
+        try:
+            result = getattr(self.module, what)(*args)
+        except OSError as e:
+            raise IOFailure(f"{what} refused", e.errno) from e
+        if isinstance(result, int) and result < 0:
+            raise IOFailure(f"{what} refused", -result)
+        return result
+
     def new_ring(self, entries: int) -> Any:
         raise NotImplementedError
 
     def exit_ring(self, ring: Any) -> None:
-        raise NotImplementedError
+        self.module.io_uring_queue_exit(ring)
 
     def register_eventfd(self, ring: Any, fd: int) -> None:
-        raise NotImplementedError
+        self._checked("io_uring_register_eventfd", ring, fd)
 
     def get_sqe(self, ring: Any) -> Any | None:
         raise NotImplementedError
@@ -78,7 +89,7 @@ class Binding:
         self.module.io_uring_sqe_set_data64(sqe, token)
 
     def submit(self, ring: Any) -> None:
-        raise NotImplementedError
+        self._checked("io_uring_submit", ring)
 
     def new_cqe(self) -> Any:
         raise NotImplementedError
@@ -104,22 +115,8 @@ class Liburing2024(Binding):
 
     def new_ring(self, entries: int) -> Any:
         ring = self.module.io_uring()
-        try:
-            self.module.io_uring_queue_init(entries, ring, 0)
-        except OSError as e:
-            raise IOFailure("io_uring_queue_init refused", e.errno) from e
+        self._checked("io_uring_queue_init", entries, ring, 0)
         return ring
-
-    def exit_ring(self, ring: Any) -> None:
-        self.module.io_uring_queue_exit(ring)
-
-    def register_eventfd(self, ring: Any, fd: int) -> None:
-        try:
-            result = self.module.io_uring_register_eventfd(ring, fd)
-        except OSError as e:
-            raise IOFailure("io_uring_register_eventfd refused", e.errno) from e
-        if result < 0:
-            raise IOFailure("io_uring_register_eventfd refused", -result)
 
     def get_sqe(self, ring: Any) -> Any | None:
         sqe = self.module.io_uring_get_sqe(ring)
@@ -135,14 +132,6 @@ class Liburing2024(Binding):
 
     def prep_writev(self, sqe: Any, fd: int, iovec: Any, count: int, offset: int) -> None:
         self.module.io_uring_prep_writev(sqe, fd, iovec, count, offset)
-
-    def submit(self, ring: Any) -> None:
-        try:
-            result = self.module.io_uring_submit(ring)
-        except OSError as e:
-            raise IOFailure("io_uring_submit failed", e.errno) from e
-        if result < 0:
-            raise IOFailure("io_uring_submit failed", -result)
 
     def new_cqe(self) -> Any:
         return self.module.io_uring_cqe()
@@ -182,20 +171,8 @@ class Liburing2026(Binding):
 
     def new_ring(self, entries: int) -> Any:
         ring = self.module.Ring()
-        try:
-            self.module.io_uring_queue_init(entries, ring)
-        except OSError as e:
-            raise IOFailure("io_uring_queue_init refused", e.errno) from e
+        self._checked("io_uring_queue_init", entries, ring)
         return ring
-
-    def exit_ring(self, ring: Any) -> None:
-        self.module.io_uring_queue_exit(ring)
-
-    def register_eventfd(self, ring: Any, fd: int) -> None:
-        try:
-            self.module.io_uring_register_eventfd(ring, fd)
-        except OSError as e:
-            raise IOFailure("io_uring_register_eventfd refused", e.errno) from e
 
     def get_sqe(self, ring: Any) -> Any | None:
         return self.module.io_uring_get_sqe(ring)
@@ -227,12 +204,6 @@ class Liburing2026(Binding):
 
     def prep_writev(self, sqe: Any, fd: int, iovec: Any, count: int, offset: int) -> None:
         self.module.io_uring_prep_writev(sqe, fd, iovec, offset)
-
-    def submit(self, ring: Any) -> None:
-        try:
-            self.module.io_uring_submit(ring)
-        except OSError as e:
-            raise IOFailure("io_uring_submit failed", e.errno) from e
 
     def new_cqe(self) -> Any:
         return self.module.Cqe()
