@@ -227,6 +227,14 @@ def recover_index(
         _replay(recovered, chain, decoded)
     finally:
         table.end_replay()
+    if table.unreadable_on_replay:
+        reason = (
+            f"{len(table.unreadable_on_replay)} page-table values the WAL replays over fail "
+            f"their checksum (e.g. {table.unreadable_on_replay[0][:64]!r}): replayed as absent "
+            "(a newer put still applies); `kvstore fsck --repair PATH` removes what is left"
+        )
+        recovered.degraded.append(reason)
+        recovered.notes.append(reason)
     # A WAL file's name and the checkpoint LSN are issued LSNs too: never reissue them.
     issued = [checkpoint_lsn, *(wal_file.first_lsn for wal_file in chain)]
     recovered.lsn_lease = max(recovered.lsn_lease, recovered.max_lsn_seen + 1, max(issued) + 1)

@@ -100,6 +100,7 @@ class PageTable:
         # Entries read ahead from LMDB for WAL replay (keys in sorted order, one
         # transaction): replay then never pays a random LMDB lookup per record.
         self._replay_base: dict[bytes, PageEntry | None] | None = None
+        self.unreadable_on_replay: list[bytes] = []  # LMDB values replay could not decode
         with env.read() as txn:
             self.page_count = env.get_meta(txn, META_PAGE_COUNT, 0)
 
@@ -170,7 +171,14 @@ class PageTable:
             cursor = txn.cursor(db=self.env.pages)
             for key in sorted(keys):
                 raw = cursor.get(key)
-                base[key] = None if raw is None else self._decode(key, raw)
+                try:
+                    base[key] = None if raw is None else self._decode(key, raw)
+                except CorruptionError:
+                    # Its checkpointed state is unknown: replay sees no entry (a WAL
+                    # put newer than it still applies; a move of it does not), so the
+                    # page is at worst a miss, never an older version.
+                    base[key] = None
+                    self.unreadable_on_replay.append(key)
         self._replay_base = base
 
     def _decode(self, key: bytes, raw: bytes) -> PageEntry:

@@ -179,6 +179,28 @@ def test_fsck_repair_rewrites_a_quarantined_segment_header(store_path: Path) -> 
         assert store.check(deep=True) == []
 
 
+def test_gc_moves_a_quarantined_segments_pages_out_and_removes_its_file(
+    store_path: Path,
+) -> None:
+    oracle = build(store_path, crash_wal=False)
+    damaged = segment_files(store_path)[0]
+    segment_id = int(damaged.name.split(".")[0], 16)
+    flip(damaged, 30)
+    with KVStore.open(store_path, **OPTIONS) as store:
+        inside = [key for key in oracle.pages if store.info(key).segment_id == segment_id]
+        for key in inside[:-2]:  # a sparse segment: GC compacts it
+            store.delete(key)
+            oracle.deleted.add(key)
+            del oracle.pages[key]
+        report = store.gc()
+        assert report.segments_freed >= 1 and report.pages_moved == 2
+        assert oracle.check(store) == 0
+    assert not damaged.exists()  # never recycled: its read-only file is removed
+    with KVStore.open(store_path, **OPTIONS) as store:
+        assert not store.stats().degraded
+        assert oracle.check(store) == 0
+
+
 def test_a_truncated_segment_loses_only_what_is_gone(store_path: Path) -> None:
     oracle = build(store_path)
     damaged = segment_files(store_path)[0]
@@ -279,6 +301,26 @@ def test_a_damaged_index_is_salvaged_at_open_and_never_fails_close(store_path: P
         assert store.get("after") == b"a" * 5000
         assert oracle.check(store) == missed
         assert store.check(deep=True) == []
+
+
+def test_a_damaged_value_the_wal_replays_over_is_absent_not_a_refusal(
+    store_path: Path,
+) -> None:
+    store = KVStore.open(store_path, create=True, **OPTIONS)
+    store.put("victim-key", b"old" * 1000)
+    store.put("other", b"o" * 1000)
+    store.checkpoint()
+    store.put("victim-key", b"new" * 1000)  # only the WAL has it
+    store.flush()
+    store._release_resources()
+    store._closed = True
+    data = (store_path / INDEX_DIR / "data.mdb").read_bytes()
+    at = data.index(b"victim-key") + len(b"victim-key") + 5  # inside its LMDB value
+    flip(store_path / INDEX_DIR / "data.mdb", at)
+    with KVStore.open(store_path, **OPTIONS) as store:  # refused before (CorruptionError)
+        assert store.get("victim-key") == b"new" * 1000
+        assert store.get("other") == b"o" * 1000
+        assert any("fail their checksum" in r for r in store.stats().degraded_reasons)
 
 
 def test_an_interrupted_index_swap_is_finished_by_the_next_open(store_path: Path) -> None:
