@@ -160,6 +160,8 @@ def test_a_flipped_segment_header_byte_opens_and_serves_every_page(
     data = stat_json(store_path)  # and found again by the next open
     assert data["degraded"] and data["quarantined_segments"] == 1
     assert "quarantined" in data["degraded_reasons"][0]
+    shown = CliRunner().invoke(main, ["stat", str(store_path)])
+    assert shown.exit_code == 0 and "DEGRADED" in shown.output
 
 
 def test_fsck_repair_rewrites_a_quarantined_segment_header(store_path: Path) -> None:
