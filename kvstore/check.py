@@ -602,28 +602,22 @@ def _checkpoint_quietly(run: _Run) -> bool:
 
 def _rewrite_segment_header(store: KVStore, segment_id: int) -> None:
     """Write a quarantined segment's header from the index, durably; extend a short file."""
-    from kvstore.format.records import SegmentHeader, encode_segment_header
+    from kvstore.format.records import SegmentHeader
+    from kvstore.log.segments import rewrite_segment_header
 
     with store._lock:
         state = store._segment_states[segment_id]
         segment = store._segments[segment_id]
-    header = encode_segment_header(
+    rewrite_segment_header(
+        segment.path,
         SegmentHeader(
             store.superblock.store_uuid,
             segment_id,
             state.generation,
             store.config.segment_bytes,
             state.created_unix_ns,
-        )
+        ),
     )
-    fd = os.open(segment.path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size < store.config.segment_bytes:
-            os.ftruncate(fd, store.config.segment_bytes)
-        os.pwrite(fd, header, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hold_segment(store: KVStore, segment_id: int, segment: Segment) -> bool:

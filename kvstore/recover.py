@@ -71,7 +71,12 @@ from kvstore.format.names import (
     parse_segment_name,
     parse_wal_name,
 )
-from kvstore.format.records import Superblock, decode_record_header, decode_segment_header
+from kvstore.format.records import (
+    SegmentHeader,
+    Superblock,
+    decode_record_header,
+    decode_segment_header,
+)
 from kvstore.format.wal import (
     DeleteBody,
     LsnLeaseBody,
@@ -98,6 +103,7 @@ from kvstore.index.table import (
 )
 from kvstore.io.files import acquire_writer_lock, fsync_dir, write_file_durably
 from kvstore.log.regular import read_regular, require_regular
+from kvstore.log.segments import rewrite_segment_header
 from kvstore.log.wal import WalWriter, scan_repairing
 
 __all__ = [
@@ -286,6 +292,10 @@ class _Scan:
     max_lsn: int = 0
     max_segment_id: int = 0
     suspect: set[bytes] = field(default_factory=set)  # vouched for only before a WAL gap
+    # Segment id -> (generation, created_unix_ns) as the index and WAL name them: a
+    # segment whose header is damaged is scanned with these (its records prove them).
+    known: dict[int, tuple[int, int]] = field(default_factory=dict)
+    rewrite: list[_Segment] = field(default_factory=list)  # headers to write back
     wal_gap: bool = False
 
     def saw_lsn(self, lsn: int) -> None:
@@ -498,6 +508,7 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
                     ):
                         scan.max_segment_id = max(scan.max_segment_id, segment_id)
                         scan.saw_lsn(seg.generation)
+                        scan.known[segment_id] = (seg.generation, seg.created_unix_ns)
             with contextlib.suppress(lmdb.NotFoundError):
                 retains_db = env.open_db(b"retains", txn=txn, create=False)
                 for raw_key, raw_value in txn.cursor(db=retains_db):
@@ -673,6 +684,7 @@ def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, bod
     elif isinstance(body, SegmentOpenBody):
         scan.max_segment_id = max(scan.max_segment_id, body.segment_id)
         scan.saw_lsn(body.generation)
+        scan.known[body.segment_id] = (body.generation, 0)
     elif isinstance(body, LsnLeaseBody):
         scan.saw_lsn(body.lease_until)
 
@@ -710,20 +722,31 @@ def _scan_one(scan: _Scan, report: RecoveryReport, segment_id: int, path: Path) 
         raise IOFailure(f"cannot open {path}", e.errno) from e
     try:
         file_bytes = os.fstat(fd).st_size
+        problem = None
         try:
             header = decode_segment_header(os.pread(fd, BLOCK_BYTES, 0))
         except KVStoreError as e:
-            _damaged(scan, report, path, f"bad header ({e})")
-            return
-        if header.store_uuid != superblock.store_uuid:
-            _damaged(scan, report, path, "belongs to another store")
-            return
-        if header.segment_id != segment_id:
-            _damaged(scan, report, path, f"header names segment {header.segment_id}")
-            return
-        if header.generation >= SEQUENCE_LIMIT:
-            _damaged(scan, report, path, f"implausible generation {header.generation}")
-            return
+            problem = f"bad header ({e.args[0] if e.args else e})"
+        else:
+            if header.store_uuid != superblock.store_uuid:
+                problem = "belongs to another store"
+            elif header.segment_id != segment_id:
+                problem = f"header names segment {header.segment_id}"
+            elif header.generation >= SEQUENCE_LIMIT:
+                problem = f"implausible generation {header.generation}"
+        rewrite = False
+        if problem is not None:
+            if segment_id not in scan.known:
+                _damaged(scan, report, path, problem)
+                return
+            # The index (or the WAL) names this segment: its records name their
+            # segment and generation themselves, so scan it with the index's
+            # generation; if any record proves it, the header is written back.
+            generation, created = scan.known[segment_id]
+            header = SegmentHeader(
+                superblock.store_uuid, segment_id, generation, superblock.segment_bytes, created
+            )
+            rewrite = True
         report.segments_scanned += 1
         scan.saw_lsn(header.generation)
         segment = _Segment(
@@ -775,6 +798,29 @@ def _scan_one(scan: _Scan, report: RecoveryReport, segment_id: int, path: Path) 
                 scan.records.setdefault(rec.key, []).append(record)
             offset += span
             segment.head = offset
+        if rewrite:
+            # Proven only by a record the index itself vouches for (same key,
+            # location, generation and LSN): a foreign file's records are not.
+            proven = any(
+                r.segment_id == segment_id
+                and r.ok
+                and isinstance(state := scan.states.get(key), _Entry)
+                and (state.entry.segment_id, state.entry.generation, state.entry.offset)
+                == r.location
+                and state.lsn == r.lsn
+                for key, records in scan.records.items()
+                for r in records
+            )
+            if not proven:
+                del scan.segments[segment_id]
+                report.segments_scanned -= 1
+                _damaged(scan, report, path, f"{problem}, and no record proves its identity")
+                return
+            scan.rewrite.append(segment)
+            report.notes.append(
+                f"{path.name}: {problem}; scanned with the index's generation "
+                f"{header.generation} (its records prove it); its header is rewritten"
+            )
     except OSError as e:
         raise IOFailure(f"cannot read {path}", e.errno) from e
     finally:
@@ -893,6 +939,21 @@ def _build(
     lsn: int,
 ) -> None:
     ts = str(int(time.time()))
+    for segment in scan.rewrite:  # proven by their records (see _scan_one)
+        path = root / SEGMENTS_DIR / f"{segment.segment_id:016x}.seg"
+        try:
+            rewrite_segment_header(
+                path,
+                SegmentHeader(
+                    scan.superblock.store_uuid,
+                    segment.segment_id,
+                    segment.generation,
+                    segment.segment_bytes,
+                    segment.created_unix_ns,
+                ),
+            )
+        except OSError as e:
+            raise IOFailure(f"cannot rewrite the header of {path}", e.errno) from e
     for segment in scan.short_segments:  # the store refuses a segment shorter than its header
         path = root / SEGMENTS_DIR / f"{segment.segment_id:016x}.seg"
         try:

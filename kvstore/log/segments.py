@@ -33,6 +33,7 @@ __all__ = [
     "list_segment_files",
     "open_segment",
     "open_untrusted_segment",
+    "rewrite_segment_header",
 ]
 
 
@@ -178,6 +179,24 @@ def open_untrusted_segment(
     except (OSError, KVStoreError):
         return None
     return Segment(segment_id, generation, path, fd, size_bytes, head, 0)
+
+
+def rewrite_segment_header(path: Path, header: SegmentHeader) -> None:
+    """Write ``header`` over a damaged one, durably, extending a short file.
+
+    Only for a segment whose identity is proven otherwise (records in it that
+    verify against the index name its id and generation): ``fsck --repair`` and
+    ``kvstore recover`` use it.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < header.segment_bytes:
+            os.ftruncate(fd, header.segment_bytes)
+        if os.pwrite(fd, encode_segment_header(header), 0) != BLOCK_BYTES:
+            raise OSError(5, f"short write of the segment header of {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_segment_files(root: Path) -> dict[int, Path]:

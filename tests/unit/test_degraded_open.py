@@ -444,3 +444,17 @@ def test_recover_after_a_wal_gap_never_brings_a_delete_back(store_path: Path) ->
         assert store.get("b") == b"b" * 5000
         for key in ("k0", "k2", "a"):
             assert store.get(key) is None  # unvouched: recomputed, never stale
+
+
+def test_recover_keeps_the_pages_of_a_segment_whose_header_is_damaged(store_path: Path) -> None:
+    """recover moved such a segment aside (its pages lost); the index names its
+    generation and its records prove it, so they are kept and the header rewritten."""
+    oracle = build(store_path)
+    damaged = segment_files(store_path)[1]
+    flip(damaged, 44)  # the generation
+    report = recover_store(store_path)
+    assert damaged.name not in report.damaged_segments
+    assert any("header is rewritten" in note for note in report.notes)
+    with KVStore.open(store_path, **OPTIONS) as store:
+        assert not store.stats().degraded  # the header is sound again
+        assert oracle.check(store) == 0
