@@ -415,8 +415,12 @@ def synced_put_writes(trace: Trace) -> list[tuple[int, int]]:
     found: list[tuple[int, int]] = []
     last_write: int | None = None
     for index, op in enumerate(ops):
-        if op.kind == "write" and op.inode in wal_inodes and len(op.data) > 60:
-            last_write = index
+        # Records, not a file header: a lost header loses nothing (the records after
+        # it carry their own checksums and are replayed; docs/operations.md). A new
+        # file's header means a checkpoint rotated the WAL: what was written before
+        # is in LMDB by the ack, so dropping it must not be noticed.
+        if op.kind == "write" and op.inode in wal_inodes:
+            last_write = index if len(op.data) > 64 else None
         elif (
             op.kind == "mark"
             and isinstance(op.note, tuple)
