@@ -1408,6 +1408,15 @@ class KVStore:
         with self._commit_lock:
             self._commit_locked()
 
+    def _sync_segment(self, segment: Segment) -> None:
+        """fdatasync ``segment``; a failure stops the writer (its pages may not be durable)."""
+        try:
+            os.fdatasync(segment.fd)
+        except OSError as e:
+            raise self._fail(
+                WriterFailedError(f"fdatasync of segment {segment.path.name} failed", e.errno)
+            ) from e
+
     def _commit_locked(self) -> None:
         """One group commit. Caller holds ``_commit_lock``.
 
@@ -1432,14 +1441,7 @@ class KVStore:
         try:
             joined = b"".join(records)
             for segment in dirty:
-                try:
-                    os.fdatasync(segment.fd)
-                except OSError as e:
-                    raise self._fail(
-                        WriterFailedError(
-                            f"fdatasync of segment {segment.path.name} failed", e.errno
-                        )
-                    ) from e
+                self._sync_segment(segment)
         except WriterFailedError:
             raise
         except BaseException:
@@ -2326,14 +2328,7 @@ class KVStore:
             )
         try:
             if segment.dirty:  # its records may be in this very commit
-                try:
-                    os.fdatasync(segment.fd)
-                except OSError as e:
-                    raise self._fail(
-                        WriterFailedError(
-                            f"fdatasync of segment {segment.path.name} failed", e.errno
-                        )
-                    ) from e
+                self._sync_segment(segment)
             # not flush(): close() may have begun, and the free must still land
             self._commit_locked()  # durable before the file goes or is reused
         except BaseException:

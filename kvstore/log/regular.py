@@ -85,6 +85,19 @@ def open_regular(path: Path, flags: int) -> int:
     return fd
 
 
+def read_fd(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes from ``fd``'s position, fewer if the file ends first."""
+    chunks = []
+    remaining = size
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_regular(path: Path, limit_bytes: int | None = None) -> bytes:
     """The bytes of the regular file ``path`` (at most ``limit_bytes``).
 
@@ -97,15 +110,7 @@ def read_regular(path: Path, limit_bytes: int | None = None) -> bytes:
     except OSError as e:
         raise IOFailure(f"cannot open {path}", e.errno) from e
     try:
-        remaining = os.fstat(fd).st_size if limit_bytes is None else limit_bytes
-        chunks = []
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, os.fstat(fd).st_size if limit_bytes is None else limit_bytes)
     except OSError as e:
         raise IOFailure(f"cannot read {path}", e.errno) from e
     finally:

@@ -36,6 +36,7 @@ from kvstore.format.wal import (
     repair_wal_file_header,
 )
 from kvstore.io.files import FILE_MODE, fsync_dir
+from kvstore.log.regular import read_fd
 
 __all__ = ["WalFile", "WalWriter", "list_wal_files", "read_wal_chain", "scan_repairing"]
 
@@ -163,15 +164,7 @@ def _read_wal_file(path: Path, fd: int | None = None) -> bytes:
             raise CorruptionError(
                 f"WAL file {path.name} is not a regular file; run `kvstore recover PATH`"
             )
-        chunks = []
-        remaining = info.st_size
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, info.st_size)
     except OSError as e:
         raise IOFailure(f"cannot read WAL file {path}", e.errno) from e
     finally:
