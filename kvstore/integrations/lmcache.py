@@ -36,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import weakref
@@ -54,6 +55,7 @@ from lmcache.v1.storage_backend.abstract_backend import (  # type: ignore[import
 )
 
 from kvstore.errors import CorruptionError, KVStoreError, PinError
+from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.store import KVStore
 
 __all__ = ["SUPPORTED_LMCACHE", "KVStoreBackend", "KVStoreTierRefusedError"]
@@ -63,6 +65,7 @@ SUPPORTED_LMCACHE = ">=0.4.4,<=0.5.6"
 
 _KEY_PREFIX = b"lmcache/"
 _POSITIONS_SUFFIX = b"#positions"
+_LONG_KEY_PREFIX = b"lmcache-sha256/"
 _CONFIG_PREFIX = "kvstore."
 _log = logging.getLogger(__name__)
 
@@ -254,9 +257,15 @@ class KVStoreBackend(StoragePluginInterface):  # type: ignore[misc]
 
     @staticmethod
     def page_key(key: CacheEngineKey) -> bytes:
-        """The store key of an LMCache chunk key."""
-        text: str = key.to_string()
-        return _KEY_PREFIX + text.encode("utf-8")
+        """The store key of an LMCache chunk key.
+
+        A key too long for the index (its ``#positions`` page included: a very
+        long model name) is stored under the SHA-256 of its text instead.
+        """
+        raw = key.to_string().encode("utf-8")
+        if len(_KEY_PREFIX) + len(raw) + len(_POSITIONS_SUFFIX) > MAX_INDEX_KEY_BYTES:
+            return _LONG_KEY_PREFIX + hashlib.sha256(raw).hexdigest().encode("ascii")
+        return _KEY_PREFIX + raw
 
     # -- lookups and pins -------------------------------------------------
 

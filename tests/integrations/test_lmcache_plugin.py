@@ -181,6 +181,25 @@ def test_keys_are_namespaced_by_model_and_layout(backends: Backends) -> None:
     assert not backends.plugin.contains(key(7, world_size=2))
 
 
+def test_a_key_too_long_for_the_index_is_stored_under_its_hash(backends: Backends) -> None:
+    """A model name long enough to push the chunk key past the index's 511 bytes
+    used to raise ValueError from put (and, before the key limit, broke every
+    checkpoint); it is stored under the SHA-256 of the key text instead."""
+    long_model = "org/" + "m" * 600
+    obj = backends.chunk(4)
+    put(backends, [key(9, model=long_model)], [obj])
+    obj.ref_count_down()
+    page_key = backends.plugin.page_key(key(9, model=long_model))
+    assert page_key.startswith(b"lmcache-sha256/") and len(page_key) <= 511
+    assert backends.plugin.contains(key(9, model=long_model))
+    assert not backends.plugin.contains(key(9, model=long_model + "x"))
+    got = backends.plugin.get_blocking(key(9, model=long_model))
+    assert got is not None
+    expected = backends.chunk(4)  # the same seed: the same bytes
+    assert torch.equal(got.tensor, expected.tensor)
+    backends.plugin.store.checkpoint()  # the index takes the key
+
+
 def test_pin_unpin_and_remove(backends: Backends) -> None:
     plugin = backends.plugin
     obj = backends.chunk(3)
