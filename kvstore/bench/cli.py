@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -28,6 +30,7 @@ from kvstore.bench.peers import PEERS
 from kvstore.bench.report import render
 from kvstore.bench.runner import BenchOptions, run_bench
 from kvstore.bench.scaling import SWEEPS, ScalingConfig
+from kvstore.errors import KVStoreError
 
 __all__ = ["bench"]
 
@@ -61,6 +64,17 @@ def _page_counts(max_pages: int) -> tuple[int, ...]:
         count *= 10
     counts.append(max_pages)
     return tuple(counts)
+
+
+def _fail(error: BaseException, as_json: bool) -> NoReturn:
+    """A run that cannot go on: one line on stderr, JSON on stdout with ``--json``
+    (the same shape as the other commands'), exit 8 (operational)."""
+    from kvstore.cli import EXIT_OPERATIONAL, error_json
+
+    Console(stderr=True).print(f"[red]error:[/red] {escape(str(error))}")
+    if as_json:
+        sys.stdout.write(json.dumps(error_json(error, EXIT_OPERATIONAL), indent=2) + "\n")
+    sys.exit(EXIT_OPERATIONAL)
 
 
 @click.command("bench")
@@ -186,7 +200,10 @@ def bench(
         transient=False,
         disable=not progress_console.is_terminal,
     ) as progress:
-        document = run_bench(options, _RichReporter(progress))
+        try:
+            document = run_bench(options, _RichReporter(progress))
+        except (KVStoreError, OSError, RuntimeError, ValueError) as e:
+            _fail(e, as_json)
     text = json.dumps(document, indent=2, sort_keys=False)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -262,7 +262,8 @@ class KVStoreBackend(StoragePluginInterface):  # type: ignore[misc]
         A key too long for the index (its ``#positions`` page included: a very
         long model name) is stored under the SHA-256 of its text instead.
         """
-        raw = key.to_string().encode("utf-8")
+        text: str = key.to_string()
+        raw = text.encode("utf-8")
         if len(_KEY_PREFIX) + len(raw) + len(_POSITIONS_SUFFIX) > MAX_INDEX_KEY_BYTES:
             return _LONG_KEY_PREFIX + hashlib.sha256(raw).hexdigest().encode("ascii")
         return _KEY_PREFIX + raw

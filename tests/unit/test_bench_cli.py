@@ -137,3 +137,14 @@ def test_report_reprints_a_saved_run(tmp_path: Path) -> None:
     result = CliRunner().invoke(bench, ["--report", str(saved)])
     assert result.exit_code == 0
     assert "kvstore put_many(64, sync=True)" in result.stdout
+
+
+def test_json_is_printed_when_the_run_cannot_start(tmp_path: Path) -> None:
+    """--json promised one JSON document on stdout; a failed run printed none."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    result = CliRunner().invoke(bench, ["--quick", "--json", "--dir", str(blocker / "bench")])
+    assert result.exit_code == 8
+    document = json.loads(result.stdout)
+    assert document["exit_code"] == 8
+    assert document["error"]["type"] == "NotADirectoryError"
