@@ -8,27 +8,17 @@ Set KVSTORE_CRASH_SEED / KVSTORE_CRASH_CYCLES to vary or lengthen the run.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.conftest import load_tool
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "crashloop.py"
 
 
-def _load_crashloop() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvstore_tools_crashloop", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-crashloop = _load_crashloop()
+crashloop = load_tool("crashloop")
 
 
 @pytest.mark.slow

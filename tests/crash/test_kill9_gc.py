@@ -15,31 +15,18 @@ crash loop that passes is known to be able to fail.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.conftest import load_tool
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "crashloop.py"
 
 
-def _load_crashloop() -> ModuleType:
-    name = "kvstore_tools_crashloop"
-    if name in sys.modules:  # shared with test_kill9.py
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-crashloop = _load_crashloop()
+crashloop = load_tool("crashloop")
 
 
 # -- the oracle's rules, on synthetic lines ---------------------------------------

@@ -74,6 +74,7 @@ from kvstore.format.wal import (
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
 from kvstore.index.table import META_CHECKPOINT_LSN, META_LSN_LEASE, META_NEXT_SEGMENT
+from tests.conftest import run_in_child
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -614,26 +615,6 @@ def _damage_lmdb_node_offset(root: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _in_child(body: Callable[[], str]) -> str:
-    """Run ``body`` in a forked child: a SIGBUS there fails this test, not pytest."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            result = body()
-        except BaseException as e:
-            result = f"raised {type(e).__name__}: {e}"
-        os.write(write, result.encode()[:4000])
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        output = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert not os.WIFSIGNALED(status), f"killed by signal {os.WTERMSIG(status)}"
-    return output
-
-
 def test_damaged_lmdb_tree_opens_degraded_not_sigbus(pristine: Pristine, tmp_path: Path) -> None:
     """Regression: a flipped node offset in an LMDB leaf made LMDB read past the end
     of data.mdb (SIGBUS). Open salvages what verifies (degraded, never LMDB on the
@@ -650,8 +631,8 @@ def test_damaged_lmdb_tree_opens_degraded_not_sigbus(pristine: Pristine, tmp_pat
             _assert_serves_only_right_pages(store, pristine.expected)
         return "opened"
 
-    assert _in_child(open_it) == "opened"
-    assert "index-unreadable" in _in_child(
+    assert run_in_child(open_it) == "opened"
+    assert "index-unreadable" in run_in_child(
         lambda: " ".join(finding.kind for finding in check_path(root))
     )
     report = recover_store(root)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 from kvstore import KVStore
 from kvstore.index import lmdb_verify
 from kvstore.index.lmdb_verify import verify_lmdb_file
-from tests.conftest import open_small_store
+from tests.conftest import open_small_store, run_in_child
 
 PAGE = 4096
 _LAST_PAGE_AT = 16 + 24 + 2 * 48  # page header, magic..mapsize, two database records
@@ -53,25 +52,6 @@ def _reachable(path: Path) -> set[int]:
     return walker.seen
 
 
-def _in_child(body: Callable[[], str]) -> str:
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            result = body()
-        except BaseException as e:
-            result = f"raised {type(e).__name__}: {e}"
-        os.write(write, result.encode()[:4000])
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        output = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert not os.WIFSIGNALED(status), f"killed by signal {os.WTERMSIG(status)}"
-    return output
-
-
 def _pages(count: int) -> dict[str, bytes]:
     return {f"p{i}": bytes([i % 251]) * (3000 + i) for i in range(count)}
 
@@ -95,7 +75,7 @@ def test_an_index_naming_unwritten_pages_past_its_end_opens(store_path: Path) ->
             assert reader.get_many(list(pages)) == list(pages.values())
         return "ok"
 
-    assert _in_child(use_it) == "ok"
+    assert run_in_child(use_it) == "ok"
 
 
 def test_an_index_cut_before_a_reachable_page_opens_degraded(store_path: Path) -> None:
@@ -123,8 +103,8 @@ def test_an_index_cut_before_a_reachable_page_opens_degraded(store_path: Path) -
         assert stats.quarantined_pages == misses, (stats.quarantined_pages, misses)
         return "opened"
 
-    assert _in_child(lambda: open_it(True)) == "opened"
+    assert run_in_child(lambda: open_it(True)) == "opened"
     assert verify_lmdb_file(data) != []  # a read-only open changed nothing
-    assert _in_child(lambda: open_it(False)) == "opened"
+    assert run_in_child(lambda: open_it(False)) == "opened"
     assert verify_lmdb_file(data) == []  # the writer swapped a rebuilt index in
     assert [p.name for p in store_path.glob("index.damaged-*")]
