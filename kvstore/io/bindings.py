@@ -94,7 +94,7 @@ class Binding:
     def new_cqe(self) -> Any:
         raise NotImplementedError
 
-    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> int:
+    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> None:
         """Append every ready ``(token, result)`` to ``out`` without blocking."""
         raise NotImplementedError
 
@@ -136,15 +136,12 @@ class Liburing2024(Binding):
     def new_cqe(self) -> Any:
         return self.module.io_uring_cqe()
 
-    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> int:
+    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> None:
         module = self.module
         peek, seen = module.io_uring_peek_cqe, module.io_uring_cqe_seen
-        count = 0
         while peek(ring, cqe) == 0:
             out.append((cqe.user_data, cqe.res))
             seen(ring, cqe)
-            count += 1
-        return count
 
 
 _IOVEC_CACHE_MAX = 4096
@@ -208,7 +205,7 @@ class Liburing2026(Binding):
     def new_cqe(self) -> Any:
         return self.module.Cqe()
 
-    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> int:
+    def reap(self, ring: Any, cqe: Any, out: list[tuple[int, int]]) -> None:
         module = self.module
         count = 0
         for _ in module.CqeIter(ring, cqe):
@@ -221,7 +218,6 @@ class Liburing2026(Binding):
             count += 1
         if count:
             module.io_uring_cq_advance(ring, count)
-        return count
 
 
 _FLAVOURS: dict[str, type[Binding]] = {
