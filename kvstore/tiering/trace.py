@@ -1,0 +1,389 @@
+"""Request traces for the tier simulator: the Mooncake JSONL format and a generator.
+
+A trace is a list of ``Request``: arrival time, prompt and output lengths, and
+the request's prefix chain of block ids (``hash_ids`` in the file). The format
+is the one of the Mooncake FAST'25 trace release, one JSON object per line::
+
+    {"timestamp": 0, "input_length": 6758, "output_length": 500,
+     "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}
+
+``timestamp`` is milliseconds from the start of the trace; ``hash_ids`` are
+chained block hashes, 512 tokens a block by default: two requests share an id
+only when the whole prefix up to and including that block is the same, so
+block i's parent is block i-1 of the same request. Fields other than these four
+are ignored; blank lines are skipped.
+
+Invariants kept here:
+
+- Timestamps never decrease. Requests are replayed in file order, which must
+  be arrival order; a trace that goes back in time is refused (``TraceError``
+  names the line) rather than silently reordered, since reordering would change
+  which request warms the cache for which.
+- ``trace_facts`` uses the fixed hit semantics shared by every model in
+  ``peers.py``: a request's prefix hit is its run of leading blocks already
+  seen; an infinite cache therefore hits every block access but the first of
+  each id (ids are chained, so a seen block implies its whole prefix was seen).
+- ``generate`` is deterministic for a seed and assigns ids through a dict keyed
+  by (parent id, block content), so its ids are chained-hash-like too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from kvstore.errors import KVStoreError
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "GENERATOR_KINDS",
+    "Request",
+    "TraceError",
+    "TraceFacts",
+    "capacity_blocks",
+    "generate",
+    "load_trace",
+    "trace_facts",
+    "write_trace",
+]
+
+DEFAULT_BLOCK_TOKENS = 512
+GENERATOR_KINDS = ("system-prompts", "multi-turn", "long-docs", "mixed")
+
+
+class TraceError(KVStoreError, ValueError):
+    """A trace file line is not a valid request record.
+
+    The message names the file, the line number and the field that is wrong.
+    Each line must be a JSON object with ``timestamp`` (milliseconds, a number
+    >= 0, never smaller than the line before), ``input_length`` and
+    ``output_length`` (integers >= 0) and ``hash_ids`` (a list of integers).
+    """
+
+    hint = (
+        "fix or drop that line; each line needs timestamp (ms, non-decreasing), "
+        "input_length, output_length and hash_ids (list of ints)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace, owned by whoever loaded or generated it.
+
+    ``blocks`` is the prefix chain: block i's parent is block i-1.
+    """
+
+    timestamp_s: float
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFacts:
+    """Sizes of a trace and the best hit ratio any cache could reach on it."""
+
+    requests: int
+    block_accesses: int
+    unique_blocks: int
+    max_hit_ratio: float
+
+
+# ---------------------------------------------------------------------------
+# Loading and writing
+
+
+def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Request]:
+    """Read a Mooncake-format JSONL trace; at most ``limit`` requests if given.
+
+    Raises ``TraceError`` naming the file, line and field on the first bad line,
+    and ``OSError`` when the file cannot be read.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    name = os.fspath(path)
+    requests: list[Request] = []
+    previous_ms = 0.0
+    with open(name, encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            request, previous_ms = _parse_line(name, line_number, line, previous_ms)
+            requests.append(request)
+    return requests
+
+
+def _parse_line(
+    name: str, line_number: int, line: str, previous_ms: float
+) -> tuple[Request, float]:
+    where = f"{name}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    timestamp_ms = _number_field(where, record, "timestamp")
+    if timestamp_ms < previous_ms:
+        raise TraceError(
+            f"{where}: field 'timestamp' is {timestamp_ms:g} ms, before the previous "
+            f"line's {previous_ms:g} ms; requests must be in arrival order "
+            "(sort the file by timestamp)"
+        )
+    input_tokens = _count_field(where, record, "input_length")
+    output_tokens = _count_field(where, record, "output_length")
+    blocks = _hash_ids_field(where, record)
+    request = Request(timestamp_ms / 1000.0, input_tokens, output_tokens, blocks)
+    return request, timestamp_ms
+
+
+def _field(where: str, record: dict[str, Any], field: str) -> object:
+    if field not in record:
+        raise TraceError(f"{where}: missing field '{field}'")
+    value: object = record[field]
+    return value
+
+
+def _number_field(where: str, record: dict[str, Any], field: str) -> float:
+    value = _field(where, record, field)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TraceError(f"{where}: field '{field}' must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise TraceError(f"{where}: field '{field}' must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def _count_field(where: str, record: dict[str, Any], field: str) -> int:
+    value = _field(where, record, field)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(f"{where}: field '{field}' must be an integer, got {value!r}")
+    if value < 0:
+        raise TraceError(f"{where}: field '{field}' must be >= 0, got {value}")
+    return value
+
+
+def _hash_ids_field(where: str, record: dict[str, Any]) -> tuple[int, ...]:
+    value = _field(where, record, "hash_ids")
+    if not isinstance(value, list):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list, got {value!r}")
+    for index, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TraceError(f"{where}: field 'hash_ids'[{index}] must be an integer, got {item!r}")
+    return tuple(value)
+
+
+def write_trace(requests: Iterable[Request], path: str | os.PathLike[str]) -> None:
+    """Write requests in the same JSONL format (timestamps rounded to whole ms)."""
+    with open(os.fspath(path), "w", encoding="utf-8") as out:
+        for request in requests:
+            record = {
+                "timestamp": round(request.timestamp_s * 1000.0),
+                "input_length": request.input_tokens,
+                "output_length": request.output_tokens,
+                "hash_ids": list(request.blocks),
+            }
+            out.write(json.dumps(record, separators=(", ", ": ")))
+            out.write("\n")
+
+
+# ---------------------------------------------------------------------------
+# Facts and capacities
+
+
+def trace_facts(requests: Sequence[Request]) -> TraceFacts:
+    """Count requests, block accesses and unique blocks; the infinite-cache hit ratio.
+
+    The hit ratio follows the fixed semantics: per request, the run of leading
+    blocks seen in any earlier request (or earlier in the same one) is a hit.
+    """
+    seen: set[int] = set()
+    accesses = 0
+    hits = 0
+    for request in requests:
+        blocks = request.blocks
+        accesses += len(blocks)
+        for block in blocks:
+            if block not in seen:
+                break
+            hits += 1
+        seen.update(blocks)
+    ratio = hits / accesses if accesses else 0.0
+    return TraceFacts(len(requests), accesses, len(seen), ratio)
+
+
+def capacity_blocks(
+    fractions: tuple[float, float, float], unique_blocks: int
+) -> tuple[int, int, int]:
+    """Tier capacities (HBM, DRAM, NVMe) in blocks: each fraction of ``unique_blocks``, floored.
+
+    The product is taken on the fraction's decimal value (``0.29`` is 29/100,
+    not 0.28999...), so ``--capacity 0.29`` of 100 blocks is 29, not 28.
+    """
+    if len(fractions) != 3:
+        raise ValueError(f"need three capacity fractions (hbm, dram, nvme), got {fractions!r}")
+    if unique_blocks < 0:
+        raise ValueError(f"unique_blocks must be >= 0, got {unique_blocks}")
+    out: list[int] = []
+    for fraction in fractions:
+        if not math.isfinite(fraction) or fraction < 0:
+            raise ValueError(f"capacity fractions must be finite and >= 0, got {fraction!r}")
+        out.append(math.floor(Fraction(repr(float(fraction))) * unique_blocks))
+    return out[0], out[1], out[2]
+
+
+# ---------------------------------------------------------------------------
+# Synthetic traces
+#
+# Each shape first yields (arrival ms, block contents, output tokens); a block's
+# content is any hashable that stands for its 512 tokens. ``_assign_ids`` then
+# maps (parent id, content) to ids in arrival order, which is what a chained
+# content hash does.
+
+_Content = tuple[object, ...]
+_Draft = tuple[int, tuple[_Content, ...], int]
+
+
+def generate(
+    kind: str, *, seed: int, requests: int = 2000, block_tokens: int = DEFAULT_BLOCK_TOKENS
+) -> list[Request]:
+    """A synthetic trace of ``requests`` requests, the same for the same arguments.
+
+    ``system-prompts``: a few shared system prompts, Zipf popularity, each
+    followed by a short unique user message. ``multi-turn``: chat sessions
+    whose every turn extends the previous turn's whole prefix, with think time
+    between turns, sessions interleaved, Poisson session arrivals.
+    ``long-docs``: mostly one-off long documents, plus a small reused core of
+    reference documents. ``mixed``: the three interleaved on one clock.
+    """
+    if kind not in GENERATOR_KINDS:
+        raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(GENERATOR_KINDS)}")
+    if requests < 0:
+        raise ValueError(f"requests must be >= 0, got {requests}")
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    rng = random.Random(seed)
+    drafts: list[_Draft]
+    if kind == "system-prompts":
+        drafts = _system_prompts(rng, requests)
+    elif kind == "multi-turn":
+        drafts = _multi_turn(rng, requests)
+    elif kind == "long-docs":
+        drafts = _long_docs(rng, requests)
+    else:
+        drafts = _mixed(rng, requests)
+    return _assign_ids(rng, drafts, block_tokens)
+
+
+def _poisson_arrivals(rng: random.Random, rate_per_s: float) -> Iterator[int]:
+    """Arrival times in whole milliseconds of a Poisson process."""
+    now_s = 0.0
+    while True:
+        yield round(now_s * 1000.0)
+        now_s += rng.expovariate(rate_per_s)
+
+
+def _zipf_picker(rng: random.Random, n: int, s: float) -> Iterator[int]:
+    cumulative = list(itertools.accumulate(1.0 / (rank**s) for rank in range(1, n + 1)))
+    total = cumulative[-1]
+    while True:
+        yield min(bisect.bisect_left(cumulative, rng.random() * total), n - 1)
+
+
+def _system_prompts(
+    rng: random.Random, requests: int, tag: str = "sp", rate_per_s: float = 4.0
+) -> list[_Draft]:
+    prompts = [tuple((tag, "system", p, i) for i in range(rng.randint(2, 10))) for p in range(8)]
+    pick = _zipf_picker(rng, len(prompts), 1.1)
+    arrivals = _poisson_arrivals(rng, rate_per_s)
+    drafts: list[_Draft] = []
+    for n in range(requests):
+        user = tuple((tag, "user", n, j) for j in range(rng.randint(1, 2)))
+        drafts.append((next(arrivals), prompts[next(pick)] + user, rng.randint(20, 600)))
+    return drafts
+
+
+def _multi_turn(rng: random.Random, requests: int, tag: str = "mt") -> list[_Draft]:
+    """Sessions on one clock: a heap of (next turn time, session) pops in time order."""
+    arrivals = _poisson_arrivals(rng, 0.5)
+    pending: list[tuple[int, int, tuple[_Content, ...], int]] = []
+    sessions = itertools.count()
+    drafts: list[_Draft] = []
+    next_start = next(arrivals)
+    while len(drafts) < requests:
+        if not pending or next_start <= pending[0][0]:
+            session = next(sessions)
+            opening = tuple((tag, session, 0, j) for j in range(rng.randint(1, 4)))
+            heapq.heappush(pending, (next_start, session, opening, 2 + int(rng.expovariate(0.25))))
+            next_start = next(arrivals)
+            continue
+        at_ms, session, prefix, turns_left = heapq.heappop(pending)
+        output_tokens = rng.randint(50, 800)
+        drafts.append((at_ms, prefix, output_tokens))
+        if turns_left > 1:
+            turn = len(drafts)
+            # The next turn carries this turn's answer and a new user message.
+            extension = tuple((tag, session, turn, j) for j in range(rng.randint(1, 3)))
+            think_ms = round(rng.expovariate(1 / 30.0) * 1000.0) + 1
+            heapq.heappush(pending, (at_ms + think_ms, session, prefix + extension, turns_left - 1))
+    return drafts
+
+
+def _long_docs(
+    rng: random.Random, requests: int, tag: str = "ld", rate_per_s: float = 1.0
+) -> list[_Draft]:
+    core = [tuple((tag, "core", d, i) for i in range(rng.randint(8, 24))) for d in range(4)]
+    arrivals = _poisson_arrivals(rng, rate_per_s)
+    drafts: list[_Draft] = []
+    for n in range(requests):
+        question = ((tag, "question", n),)
+        if rng.random() < 0.15:
+            blocks = core[rng.randrange(len(core))] + question
+        else:
+            blocks = tuple((tag, "doc", n, i) for i in range(rng.randint(16, 64))) + question
+        drafts.append((next(arrivals), blocks, rng.randint(50, 400)))
+    return drafts
+
+
+def _mixed(rng: random.Random, requests: int) -> list[_Draft]:
+    """The three shapes in the proportions 30/40/30, merged on one clock.
+
+    The sessions set the trace's duration; the other two shapes arrive at the
+    rates that spread their requests over the same time.
+    """
+    n_prompts, n_turns = requests * 3 // 10, requests * 4 // 10
+    n_docs = requests - n_prompts - n_turns
+    turns = _multi_turn(random.Random(rng.random()), n_turns, tag="mixed-mt")
+    duration_s = max(1.0, turns[-1][0] / 1000.0) if turns else 1.0
+    prompts = _system_prompts(
+        random.Random(rng.random()), n_prompts, "mixed-sp", max(n_prompts, 1) / duration_s
+    )
+    docs = _long_docs(random.Random(rng.random()), n_docs, "mixed-ld", max(n_docs, 1) / duration_s)
+    return list(heapq.merge(prompts, turns, docs, key=lambda draft: draft[0]))
+
+
+def _assign_ids(rng: random.Random, drafts: list[_Draft], block_tokens: int) -> list[Request]:
+    drafts.sort(key=lambda draft: draft[0])
+    ids: dict[tuple[int, _Content], int] = {}
+    out: list[Request] = []
+    for at_ms, contents, output_tokens in drafts:
+        parent = -1
+        chain: list[int] = []
+        for content in contents:
+            block = ids.setdefault((parent, content), len(ids))
+            chain.append(block)
+            parent = block
+        # The last block is partly filled, as in the Mooncake trace.
+        input_tokens = max(1, len(chain) * block_tokens - rng.randrange(block_tokens))
+        out.append(Request(at_ms / 1000.0, input_tokens, output_tokens, tuple(chain)))
+    return out
