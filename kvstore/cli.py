@@ -556,20 +556,32 @@ def _sample_share(
 @click.option("--port", type=int, required=True, help="HTTP port for /metrics.")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--device", help="Also export the drive's SMART wear (runs nvme/smartctl).")
-def metrics(path: Path, port: int, addr: str, device: str | None) -> None:
+@click.option(
+    "--tier/--no-tier",
+    default=None,
+    help="Also serve the tier manager's statistics (PATH/tiering-stats.json, re-read at "
+    "each scrape). Default: when PATH holds that file at start; --tier requires it.",
+)
+def metrics(path: Path, port: int, addr: str, device: str | None, tier: bool | None) -> None:
     """Serve the store's Prometheus metrics on http://ADDR:PORT/metrics.
 
     Reads the persisted counters at each scrape, so it runs beside the writer
-    (an engine can instead mount KVStore.metrics_registry()).
+    (an engine can instead mount KVStore.metrics_registry()). With the tier
+    manager's statistics, its kv_cache_hit_total, kv_offload_latency_seconds and
+    kv_page_table_size_bytes (every layer) replace the store's (layer 2 only).
     """
     from prometheus_client import start_http_server
 
     from kvstore.telemetry import read_snapshot
-    from kvstore.telemetry.prometheus import registry_for
+    from kvstore.telemetry.prometheus import StoreCollector, registry_for
     from kvstore.telemetry.smart import SmartReport, read_smart
+    from kvstore.tiering.statsfile import STATS_FILE, read_stats_file
 
     with _errors():
         read_snapshot(path)  # fail now, not at the first scrape, if PATH is no store
+        if tier:
+            read_stats_file(path)  # --tier: fail now if there are no readable statistics
+    with_tier = tier if tier is not None else (path / STATS_FILE).exists()
 
     smart_reader = None
     if device is not None:
@@ -577,11 +589,18 @@ def metrics(path: Path, port: int, addr: str, device: str | None) -> None:
         def smart_reader() -> SmartReport:
             return read_smart(device)
 
-    registry = registry_for(lambda: read_snapshot(path), smart_reader)
+    if with_tier:
+        from kvstore.tiering.metrics import StatsFileCollector, registry_beside_store
+
+        store_collector = StoreCollector(lambda: read_snapshot(path), smart_reader)
+        registry = registry_beside_store(store_collector, StatsFileCollector(path))
+    else:
+        registry = registry_for(lambda: read_snapshot(path), smart_reader)
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # before the server thread starts
     server, thread = start_http_server(port, addr=addr, registry=registry)
-    click.echo(f"serving metrics of {path} on http://{addr}:{server.server_port}/metrics")
+    beside = f" with the tier statistics of {path / STATS_FILE}" if with_tier else ""
+    click.echo(f"serving metrics of {path} on http://{addr}:{server.server_port}/metrics{beside}")
     sys.stdout.flush()
     try:
         signal.sigwait(stop_signals)
@@ -612,6 +631,136 @@ def report(path: Path, html_path: Path, days: int, png_dir: Path | None) -> None
         for index, image in enumerate(images, 1):
             (png_dir / f"plot{index}.png").write_bytes(image)
     console.print(f"wrote {html_path} ({len(page):,} bytes, {len(images)} plots)")
+
+
+# -- tier --------------------------------------------------------------------
+
+
+@main.group()
+def tier() -> None:
+    """The tier manager's persisted statistics (PATH/tiering-stats.json).
+
+    PATH is the tier manager's nvme_path (a store directory) or the file itself.
+    The manager rewrites the file every persist_stats_s and on close, so these
+    commands run beside it.
+
+    \b
+    Exit codes:
+      0  success
+      4  the file is damaged (not JSON, a field missing): move it aside
+      8  no statistics at PATH, a newer file version, I/O failure
+    """
+
+
+@tier.command("stat")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--top", default=10, show_default=True, help="Reuse classes to list.")
+def tier_stat(path: Path, as_json: bool, top: int) -> None:
+    """What is where: pages, bytes, hit rate, tau and kappa per tier; NVMe writes,
+    bandwidths, C_eff and the likeliest reuse classes (docs/tiering.md)."""
+    from kvstore.tiering.statsfile import (
+        finite_or_none,
+        read_stats_file,
+        stats_file_of,
+        summarize,
+    )
+
+    with _errors(as_json):
+        summary = summarize(read_stats_file(path), top=top)
+    file = stats_file_of(path)
+    if as_json:
+        out = {"path": str(file), **finite_or_none(summary)}
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+        return
+    _print_tier_summary(file, summary)
+
+
+def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
+    saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary["saved_at_unix_s"]))
+    tiers = Table(title=f"kvstore tier {file}")
+    for column in ("tier", "pages", "used", "capacity", "hits", "hit rate", "tau (s/B)", "kappa"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right")
+    for name, row in summary["tiers"].items():
+        tiers.add_row(
+            name,
+            f"{row['pages']:,}",
+            _mib(row["used_bytes"]),
+            _mib(row["capacity_bytes"]),
+            f"{row['hits']:,}",
+            _percent(row["hit_rate"]),
+            f"{row['tau_s_per_byte']:.3e}",
+            f"{row['kappa']:.2f}",
+        )
+    console.print(tiers)
+    overall = Table(show_header=False)
+    for name, value in (
+        ("saved", f"{saved} ({summary['saved_age_s']:,.0f} s ago)"),
+        ("lookups", f"{summary['lookups']:,}"),
+        ("misses", f"{summary['misses']:,}"),
+        ("hit rate (all tiers)", _percent(summary["hit_rate"])),
+        ("nvme_pages_written", f"{summary['nvme_pages_written']:,}"),
+        ("nvme_bytes_written", _human("bytes", summary["nvme_bytes_written"])),
+        ("C_eff (FLOP/s)", f"{summary['compute_flops']:.3e}"),
+        ("heat_pages", f"{summary['heat_pages']:,}"),
+    ):
+        overall.add_row(name, value)
+    console.print(overall)
+    bandwidth = Table(title="transfer paths (fitted)")
+    for column in ("path", "GB/s", "latency (us)", "samples"):
+        bandwidth.add_column(column, justify="left" if column == "path" else "right")
+    for name, fit in summary["bandwidth"].items():
+        bandwidth.add_row(
+            escape(name),
+            f"{fit['bytes_per_s'] / 1e9:,.2f}",
+            f"{fit['latency_s'] * 1e6:,.1f}",
+            f"{fit['samples']:,}",
+        )
+    console.print(bandwidth)
+    if summary["top_reuse_classes"]:
+        reuse = Table(
+            title=f"reuse classes (top {len(summary['top_reuse_classes'])} "
+            f"of {summary['reuse_classes']} by p)"
+        )
+        for column in ("depth bucket", "reused", "tag", "reuses", "non-reuses", "p(reuse)"):
+            reuse.add_column(column)
+        for row in summary["top_reuse_classes"]:
+            reuse.add_row(
+                str(row["depth_bucket"]),
+                "yes" if row["reused"] else "no",
+                escape(row["tag"]) or "-",
+                f"{row['reuses']:,.1f}",
+                f"{row['non_reuses']:,.1f}",
+                f"{row['p_reuse']:.3f}",
+            )
+        console.print(reuse)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.1%}"
+
+
+@tier.command("metrics")
+@click.argument("path", type=click.Path(path_type=Path))
+def tier_metrics(path: Path) -> None:
+    """Print the Prometheus exposition of the persisted tier statistics.
+
+    What the file does not keep (in-flight bytes, latency histograms, the page
+    table's size) reads as zero; `kvstore metrics STORE --port N` serves the same
+    families beside the store's metrics, re-reading the file at each scrape.
+    """
+    from prometheus_client import generate_latest
+
+    from kvstore.tiering.metrics import registry_for_data
+    from kvstore.tiering.statsfile import read_stats_file
+
+    with _errors():
+        data = read_stats_file(path)
+    click.echo(generate_latest(registry_for_data(data)).decode(), nl=False)
 
 
 # -- demo --------------------------------------------------------------------

@@ -152,12 +152,16 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
         lambda: read_snapshot(path),
         lambda: SmartReport(True, "nvme-cli", data_written_bytes=10, percentage_used=3),
     )
+    from kvstore.tiering.metrics import registry_for as tier_registry_for
+    from tests.unit.test_tiering_metrics import fake_stats
+
     exported = set()
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        exported.update(sample.name for sample in family.samples)
+    for each in (registry, tier_registry_for(fake_stats)):  # the tier manager's: kvstore-tier
+        for family in text_string_to_metric_families(generate_latest(each).decode()):
+            exported.update(sample.name for sample in family.samples)
     rules = (REPO_ROOT / "docs" / "alerts" / "kvstore.rules.yml").read_text()
     expressions = re.findall(r"expr: (?:\|\n)?((?:.*\n)+?)\s+(?:for|labels):", rules)
-    assert len(expressions) == 10
+    assert len(expressions) == 13
     used = set()
     for expression in expressions:
         for name in re.findall(r"\b(kv[a-z0-9_]*)\b", expression):
@@ -166,3 +170,14 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
     for alert in ("DwpdOver80PercentOfRating", "EvictionStorm", "HitRateLow", "HitRateCritical"):
         assert alert in rules
     assert "* 60 > 1000" in rules and "< 0.6" in rules and "< 0.4" in rules
+    tier_rules = rules[rules.index("- name: kvstore-tier") :]
+    assert "rate(kvstore_tier_evictions_total[5m])) * 60 > 1000" in tier_rules
+    for floor in ("0.6", "0.4"):  # L0 over every layer and the misses, 5 m windows
+        assert (
+            'sum by (instance, job) (rate(kv_cache_hit_total{layer="0"}[5m]))\n'
+            f"            / sum by (instance, job) (rate(kv_cache_hit_total[5m])) < {floor}\n"
+            "        for: 15m"
+        ) in tier_rules
+    # The NVMe layer's floor divides by the lookups that reached NVMe (its hits and the
+    # misses): beside the tier manager, layer 0 and 1 hits are no NVMe misses.
+    assert rules.count('rate(kv_cache_hit_total{layer=~"2|miss"}[10m])) < 0.') == 2

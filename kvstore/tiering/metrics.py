@@ -1,0 +1,341 @@
+"""Prometheus metrics of the tier manager: its registry, and the persisted statistics'.
+
+Names follow the design brief (../TIERING.md, "Metrics"): the seeds'
+``kv_cache_hit_total{layer}`` (layer 0 HBM, 1 DRAM, 2 NVMe, miss),
+``kv_offload_latency_seconds{src_layer,dst_layer}`` and ``kv_page_table_size_bytes``,
+then ``kvstore_tier_*`` for the rest. Units and suffixes as in
+``kvstore.telemetry.prometheus`` (whose ``lint_exposition`` the tests run on every
+exposition): counters end in ``_total``, sizes in ``_bytes``, times in ``_seconds``.
+
+Every scrape reads a fresh ``TierStats`` through the callable given to
+``registry_for``: ``TierManager.stats`` live, or a view of ``tiering-stats.json``
+(``StatsFileCollector``, for ``kvstore metrics PATH`` beside a running manager).
+
+The store's own collector exports the seeds' names too (as layer 2 only). Both in one
+exposition would declare a family twice and count layer 2 twice, so
+``registry_beside_store`` drops the store's families of those names: the manager's,
+which see every layer, replace them (the store's latencies stay in
+``kvstore_operation_latency_seconds``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvstore.errors import KVStoreError
+from kvstore.tiering.results import TierStats
+from kvstore.tiering.statsfile import read_stats_file, stats_file_of, stats_view_from_file
+
+__all__ = [
+    "SEED_FAMILIES",
+    "StatsFileCollector",
+    "TierCollector",
+    "WithoutFamilies",
+    "persisted_families",
+    "registry_beside_store",
+    "registry_for",
+    "registry_for_data",
+    "registry_for_file",
+    "tier_families",
+]
+
+TIER_NAMES = ("hbm", "dram", "nvme")
+LAYERS = ("0", "1", "2")  # the seeds' layer label of each tier
+SEED_FAMILIES = frozenset(
+    {"kv_cache_hit", "kv_offload_latency_seconds", "kv_page_table_size_bytes"}
+)
+NO_TIER = "none"  # the tier label of a counter key without one ("orphan")
+
+
+class TierCollector(Collector):
+    """Yields the tier manager's metric families from a fresh ``TierStats`` each scrape."""
+
+    def __init__(self, stats: Callable[[], TierStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield from tier_families(self._stats())
+
+
+def tier_families(stats: TierStats) -> Iterator[Metric]:
+    """The metric families of one snapshot (TIERING.md, "Metrics")."""
+    hit = CounterMetricFamily(
+        "kv_cache_hit",
+        "KV-cache page lookups by the layer that served them (0 HBM, 1 DRAM, 2 NVMe, "
+        "miss = in no tier)",
+        labels=["layer"],
+    )
+    for layer, hits in zip(LAYERS, stats.hits_by_tier, strict=True):
+        hit.add_metric([layer], hits)
+    hit.add_metric(["miss"], stats.misses)
+    yield hit
+    yield _offload_latency(stats.offload_latency_s)
+    yield _gauge(
+        "kv_page_table_size_bytes",
+        "Memory of the tier manager's page table (page records and keys)",
+        stats.page_table_bytes,
+    )
+    yield _counter("kvstore_tier_lookups", "Lookups the tier manager answered", stats.lookups)
+    for name, values, documentation in (
+        ("kvstore_tier_used_bytes", stats.used_bytes, "Bytes of pages held in each tier"),
+        ("kvstore_tier_capacity_bytes", stats.capacity_bytes, "Each tier's capacity"),
+        ("kvstore_tier_pages", stats.pages_by_tier, "Pages held in each tier"),
+        ("kvstore_tier_kappa", stats.kappa, "Recompute time over load time of a page, per tier"),
+        (
+            "kvstore_tier_tau",
+            stats.tau,
+            "Admission bar per tier: seconds of recompute saved per byte (admit at VD >= tau)",
+        ),
+    ):
+        yield _per_tier(name, documentation, values)
+    yield _split_counter(
+        "kvstore_tier_admissions",
+        "Admission decisions by tier and decision (admitted, below_tau, full, ...)",
+        ("tier", "decision"),
+        stats.admissions,
+    )
+    yield _split_counter(
+        "kvstore_tier_evictions",
+        "Pages evicted from a tier, by reason (clean, dropped, emergency, ...)",
+        ("tier", "reason"),
+        stats.evictions,
+    )
+    for name, value, documentation in (
+        ("kvstore_tier_demotions", stats.demotions, "Pages moved down a tier"),
+        ("kvstore_tier_promotions", stats.promotions, "Pages moved up a tier"),
+        (
+            "kvstore_tier_hysteresis_blocks",
+            stats.hysteresis_blocks,
+            "Page moves within hysteresis_s of the page's last demotion",
+        ),
+        (
+            "kvstore_tier_thrash",
+            stats.thrash,
+            "Pages promoted back within hysteresis_s of their demotion",
+        ),
+        (
+            "kvstore_tier_emergency_evictions",
+            stats.emergency_evictions,
+            "Pages evicted without write-back while NVMe writes fell behind",
+        ),
+        (
+            "kvstore_tier_nvme_written_bytes",
+            stats.nvme_bytes_written,
+            "Page bytes the tier manager wrote to NVMe",
+        ),
+        (
+            "kvstore_tier_nvme_written_pages",
+            stats.nvme_pages_written,
+            "Pages the tier manager wrote to NVMe",
+        ),
+        (
+            "kvstore_tier_load_failures",
+            stats.load_failures,
+            "Page loads that failed (missing or unverified): recomputed, never served",
+        ),
+    ):
+        yield _counter(name, documentation, value)
+    recompute = CounterMetricFamily(
+        "kvstore_tier_recompute_decisions",
+        "Lookups answered with recompute instead of a load, by reason",
+        labels=["reason"],
+    )
+    for reason, count in sorted(stats.recompute_decisions.items()):
+        recompute.add_metric([reason], count)
+    yield recompute
+    yield _per_path(
+        "kvstore_tier_bandwidth_bytes_per_second",
+        "Fitted bandwidth of each transfer path",
+        stats.bandwidth_bytes_per_s,
+    )
+    yield _per_path(
+        "kvstore_tier_transfer_latency_seconds",
+        "Fitted fixed cost of one transfer on each path",
+        stats.latency_s,
+    )
+    yield _per_path(
+        "kvstore_tier_in_flight_bytes",
+        "Bytes queued or moving on each transfer path",
+        stats.in_flight_bytes,
+    )
+    yield _gauge(
+        "kvstore_tier_emergency",
+        "1 while NVMe writes are too far behind and DRAM evicts without write-back",
+        1.0 if stats.emergency else 0.0,
+    )
+    yield _gauge(
+        "kvstore_tier_compute_flops",
+        "Fitted effective compute rate C_eff (FLOP/s) that recompute costs assume",
+        stats.compute_flops,
+    )
+    policies = (stats.mover, stats.placement, stats.admission, stats.eviction)
+    if any(policies):
+        info = GaugeMetricFamily(
+            "kvstore_tier_policy_info",
+            "The manager's mover and policies (value 1)",
+            labels=["mover", "placement", "admission", "eviction"],
+        )
+        info.add_metric(list(policies), 1.0)
+        yield info
+
+
+def _offload_latency(
+    histograms: Mapping[str, tuple[tuple[float, ...], tuple[int, ...], float, int]],
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "kv_offload_latency_seconds",
+        "Page transfer latency between cache layers, submit to completion (0 HBM, 1 DRAM, 2 NVMe)",
+        labels=["src_layer", "dst_layer"],
+    )
+    for path, (bounds, cumulative, total_s, count) in sorted(histograms.items()):
+        source, _, destination = path.partition("->")
+        if len(bounds) != len(cumulative):
+            raise ValueError(
+                f"offload latency {path!r}: {len(bounds)} bounds, {len(cumulative)} counts"
+            )
+        buckets = [
+            (repr(float(bound)), float(n)) for bound, n in zip(bounds, cumulative, strict=True)
+        ]
+        buckets.append(("+Inf", float(count)))
+        family.add_metric([source, destination], buckets, total_s)
+    return family
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def _per_tier(name: str, documentation: str, values: Iterable[float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["tier"])
+    for tier, value in zip(TIER_NAMES, values, strict=True):
+        family.add_metric([tier], value)
+    return family
+
+
+def _per_path(name: str, documentation: str, values: Mapping[str, float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["path"])
+    for path, value in sorted(values.items()):
+        family.add_metric([path], value)
+    return family
+
+
+def _split_counter(
+    name: str, documentation: str, labels: tuple[str, str], counts: Mapping[str, int]
+) -> CounterMetricFamily:
+    """A counter keyed "tier:what" (a key without a tier gets tier="none")."""
+    family = CounterMetricFamily(name, documentation, labels=list(labels))
+    for key, count in sorted(counts.items()):
+        tier, _, what = key.partition(":")
+        family.add_metric([tier, what] if what else [NO_TIER, tier], count)
+    return family
+
+
+def registry_for(stats: Callable[[], TierStats]) -> CollectorRegistry:
+    """A registry that reads ``stats()`` at each scrape (``TierManager.metrics_registry``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TierCollector(stats))
+    return registry
+
+
+class StatsFileCollector(Collector):
+    """The tier metrics of ``tiering-stats.json``, re-read at each scrape.
+
+    Adds ``kvstore_tier_stats_readable`` (0 when the file is missing or damaged at
+    this scrape: then nothing else is yielded, and the scrape still succeeds) and
+    ``kvstore_tier_stats_saved_timestamp_seconds``. Fields the file does not keep
+    read as zero (``stats_view_from_file``).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = stats_file_of(path)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            data = read_stats_file(self.file)
+        except KVStoreError:
+            yield _readable(0.0)
+            return
+        yield from persisted_families(data)
+
+
+def persisted_families(data: Mapping[str, Any]) -> Iterator[Metric]:
+    """The families of one read of the statistics file (``read_stats_file``)."""
+    yield _readable(1.0)
+    yield _gauge(
+        "kvstore_tier_stats_saved_timestamp_seconds",
+        "When the tier manager last persisted its statistics (unix time)",
+        float(data["saved_at_unix_s"]),
+    )
+    yield from tier_families(stats_view_from_file(data))
+
+
+def _readable(value: float) -> GaugeMetricFamily:
+    return _gauge(
+        "kvstore_tier_stats_readable",
+        "1 when the tier manager's statistics file could be read at this scrape, else 0",
+        value,
+    )
+
+
+def registry_for_file(path: str | Path) -> CollectorRegistry:
+    """A registry serving the persisted statistics at ``path`` (store dir or file)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsFileCollector(path))
+    return registry
+
+
+class _Persisted(Collector):
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+
+    def collect(self) -> Iterator[Metric]:
+        yield from persisted_families(self._data)
+
+
+def registry_for_data(data: Mapping[str, Any]) -> CollectorRegistry:
+    """A registry over one read of the file (``kvstore tier metrics``: one exposition,
+    the same families the exporter serves)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Persisted(data))
+    return registry
+
+
+class WithoutFamilies(Collector):
+    """Another collector's families, less those named in ``names``."""
+
+    def __init__(self, collector: Collector, names: Iterable[str]) -> None:
+        self._collector = collector
+        self._names = frozenset(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._collector.collect():
+            if family.name not in self._names:
+                yield family
+
+
+def registry_beside_store(store: Collector, tier: Collector) -> CollectorRegistry:
+    """One registry with the store's metrics and the tier manager's; the manager's
+    families of the seeds' names replace the store's (module docstring)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WithoutFamilies(store, SEED_FAMILIES))
+    registry.register(tier)
+    return registry

@@ -1,0 +1,348 @@
+"""The tier manager's persisted statistics, ``<nvme_path>/tiering-stats.json``, read back.
+
+The manager replaces the file atomically every ``persist_stats_s`` and on close
+(../TIERING.md, "Restart"); this module reads it for ``kvstore tier stat`` and
+``kvstore tier metrics`` and for the exporter, beside a live manager. It never
+writes the file and never imports torch (nor the manager, which does).
+
+Format, version 1 (JSON, one object; the writer is ``TierManager._stats_snapshot``)::
+
+    version          1
+    saved_at_unix_s  float: when it was written (wall clock)
+    reuse            [[depth_bucket, reused, tag, reuses, non_reuses], ...]
+    tau              {"tau": [hbm, dram, nvme], "gain": [...], "victim_vd": [...]}
+    bandwidth        {path: {"bytes_per_s", "latency_s", "samples"}, ...}
+    compute_flops    float: the fitted effective compute rate C_eff (FLOP/s)
+    heat             [[hex_key, decayed_hits, age_s], ...], hottest first
+    summary          {"pages_by_tier", "used_bytes", "capacity_bytes",
+                      "hits_by_tier": [hbm, dram, nvme], "misses", "lookups",
+                      "nvme_pages_written", "nvme_bytes_written",
+                      "counters": {name: int}, "kappa": [hbm, dram, nvme]}
+
+A reader accepts fields it does not know (a newer writer may add some) and
+refuses a file that lacks one it reads, naming the file and the field. Non-finite
+floats (``Infinity``: a κ with a free transfer) are read as written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, NotRegularFileError
+from kvstore.log.regular import read_regular
+from kvstore.tiering.results import TierStats
+
+__all__ = [
+    "STATS_FILE",
+    "STATS_VERSION",
+    "TierStatsCorruptError",
+    "TierStatsNotFoundError",
+    "TierStatsVersionError",
+    "check_stats",
+    "finite_or_none",
+    "read_stats_file",
+    "reuse_probability",
+    "stats_file_of",
+    "stats_view_from_file",
+    "summarize",
+]
+
+STATS_FILE = "tiering-stats.json"  # the manager's name for it (manager.STATS_FILE)
+STATS_VERSION = 1
+TIER_NAMES = ("hbm", "dram", "nvme")
+REUSE_PRIOR = (1.0, 3.0)  # the manager's default Beta prior (TierConfig.reuse_prior)
+_TIER_LISTS = ("pages_by_tier", "used_bytes", "capacity_bytes", "hits_by_tier", "kappa")
+_SUMMARY_INTS = ("misses", "lookups", "nvme_pages_written", "nvme_bytes_written")
+
+
+class TierStatsNotFoundError(KVStoreError):
+    """No tier statistics file where one was looked for.
+
+    The tier manager writes ``tiering-stats.json`` in its ``nvme_path`` every
+    ``persist_stats_s`` and on close; a store no tier manager has used has none.
+    """
+
+    hint = "pass the tier manager's nvme_path (the store directory) or the file itself"
+
+
+class TierStatsCorruptError(CorruptionError):
+    """The tier statistics file is not the JSON object the manager writes.
+
+    The file is a cache (the manager starts cold without it, and counts
+    ``restart:stats_unreadable``): move it aside; the manager writes a new one.
+    """
+
+    hint = "move the file aside; the tier manager writes a fresh one at its next persist"
+
+
+class TierStatsVersionError(FormatVersionError):
+    """The tier statistics file has a version this build cannot read."""
+
+    hint = "read it with the kvstore version that wrote it, or move it aside"
+
+
+def stats_file_of(path: str | Path) -> Path:
+    """The statistics file for ``path``: the file itself, or ``STATS_FILE`` in a directory."""
+    where = Path(path)
+    return where / STATS_FILE if where.is_dir() else where
+
+
+def read_stats_file(path: str | Path) -> dict[str, Any]:
+    """The parsed statistics at ``path`` (a store directory or the file), checked.
+
+    Raises ``TierStatsNotFoundError`` (missing), ``TierStatsCorruptError`` (not a
+    regular file, not JSON, a field missing or of the wrong type) or
+    ``TierStatsVersionError``; each message names the file.
+    """
+    file = stats_file_of(path)
+    try:
+        raw = read_regular(file)
+    except FileNotFoundError as e:
+        raise TierStatsNotFoundError(
+            f"no tier statistics at {file} (the tier manager writes them every "
+            "persist_stats_s and on close)"
+        ) from e
+    except NotRegularFileError as e:  # its hint names store files; this one is a cache
+        raise TierStatsCorruptError(f"{file} is not a regular file") from e
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TierStatsCorruptError(f"{file} is not valid JSON: {e}") from e
+    return check_stats(data, str(file))
+
+
+def check_stats(data: object, where: str) -> dict[str, Any]:
+    """``data``, if it has the version-1 shape; else ``TierStatsCorruptError`` or
+    ``TierStatsVersionError``, with ``where`` naming the source in the message."""
+    if not isinstance(data, dict):
+        raise TierStatsCorruptError(f"{where}: not a JSON object")
+    version = data.get("version")
+    if version != STATS_VERSION:
+        raise TierStatsVersionError(
+            f"{where}: tier statistics version {version!r}; this build reads {STATS_VERSION}"
+        )
+    _number(data, "saved_at_unix_s", where)
+    _number(data, "compute_flops", where)
+    reuse = _field(data, "reuse", list, where)
+    for row in reuse:
+        if not (
+            isinstance(row, list)
+            and len(row) == 5
+            and _is_int(row[0])
+            and isinstance(row[1], bool)
+            and isinstance(row[2], str)
+            and _is_number(row[3])
+            and _is_number(row[4])
+        ):
+            raise TierStatsCorruptError(
+                f"{where}: reuse row {row!r} is not [depth_bucket, reused, tag, reuses, non_reuses]"
+            )
+    tau = _field(data, "tau", dict, where)
+    _tier_list(tau, "tau", where, "tau.")
+    bandwidth = _field(data, "bandwidth", dict, where)
+    for name, fit in bandwidth.items():
+        if not isinstance(fit, dict):
+            raise TierStatsCorruptError(f"{where}: bandwidth.{name} is not an object")
+        for key in ("bytes_per_s", "latency_s", "samples"):
+            _number(fit, key, where, f"bandwidth.{name}.")
+    heat = _field(data, "heat", list, where)
+    if not all(isinstance(row, list) and len(row) == 3 for row in heat):
+        raise TierStatsCorruptError(f"{where}: heat rows are not [hex_key, hits, age_s]")
+    summary = _field(data, "summary", dict, where)
+    for key in _TIER_LISTS:
+        _tier_list(summary, key, where, "summary.")
+    for key in _SUMMARY_INTS:
+        _number(summary, key, where, "summary.")
+    counters = _field(summary, "counters", dict, where, "summary.")
+    for name, value in counters.items():
+        if not _is_number(value):
+            raise TierStatsCorruptError(f"{where}: summary.counters.{name} is not a number")
+    return data
+
+
+def _field(data: Mapping[str, Any], key: str, kind: type, where: str, prefix: str = "") -> Any:
+    if key not in data:
+        raise TierStatsCorruptError(f"{where}: field {prefix}{key} is missing")
+    value = data[key]
+    if not isinstance(value, kind):
+        raise TierStatsCorruptError(
+            f"{where}: field {prefix}{key} is {type(value).__name__}, not {kind.__name__}"
+        )
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(data: Mapping[str, Any], key: str, where: str, prefix: str = "") -> None:
+    if key not in data:
+        raise TierStatsCorruptError(f"{where}: field {prefix}{key} is missing")
+    if not _is_number(data[key]):
+        raise TierStatsCorruptError(f"{where}: field {prefix}{key} is not a number")
+
+
+def _tier_list(data: Mapping[str, Any], key: str, where: str, prefix: str) -> None:
+    value = _field(data, key, list, where, prefix)
+    if len(value) != 3 or not all(_is_number(item) for item in value):
+        raise TierStatsCorruptError(
+            f"{where}: field {prefix}{key} is not three numbers (hbm, dram, nvme)"
+        )
+
+
+def reuse_probability(reuses: float, non_reuses: float) -> float:
+    """The manager's estimate for a class: the Beta(1, 3) posterior mean."""
+    a, b = REUSE_PRIOR
+    return (reuses + a) / (reuses + non_reuses + a + b)
+
+
+def summarize(
+    data: Mapping[str, Any], *, now_s: float | None = None, top: int = 10
+) -> dict[str, Any]:
+    """What is where, from checked statistics: per tier pages, bytes, hits, hit rate
+    (hits / (hits + misses)), τ and κ; NVMe writes, bandwidths, C_eff, the file's
+    age, and the ``top`` reuse classes by p(reuse)."""
+    check_stats(data, "tier statistics")
+    summary = data["summary"]
+    hits = [int(h) for h in summary["hits_by_tier"]]
+    misses = int(summary["misses"])
+    tiers: dict[str, dict[str, Any]] = {}
+    for index, name in enumerate(TIER_NAMES):
+        used = int(summary["used_bytes"][index])
+        capacity = int(summary["capacity_bytes"][index])
+        tiers[name] = {
+            "pages": int(summary["pages_by_tier"][index]),
+            "used_bytes": used,
+            "capacity_bytes": capacity,
+            "used_ratio": used / capacity if capacity else None,
+            "hits": hits[index],
+            "hit_rate": _ratio(hits[index], hits[index] + misses),
+            "tau_s_per_byte": float(data["tau"]["tau"][index]),
+            "kappa": float(summary["kappa"][index]),
+        }
+    saved = float(data["saved_at_unix_s"])
+    classes = sorted(
+        (
+            {
+                "depth_bucket": int(depth),
+                "reused": bool(reused),
+                "tag": str(tag),
+                "reuses": reuses,
+                "non_reuses": non_reuses,
+                "p_reuse": reuse_probability(float(reuses), float(non_reuses)),
+            }
+            for depth, reused, tag, reuses, non_reuses in data["reuse"]
+        ),
+        key=lambda row: (
+            -row["p_reuse"],
+            -(row["reuses"] + row["non_reuses"]),
+            row["depth_bucket"],
+        ),
+    )
+    return {
+        "version": data["version"],
+        "saved_at_unix_s": saved,
+        "saved_age_s": (time.time() if now_s is None else now_s) - saved,
+        "tiers": tiers,
+        "misses": misses,
+        "lookups": int(summary["lookups"]),
+        "hit_rate": _ratio(sum(hits), sum(hits) + misses),
+        "nvme_pages_written": int(summary["nvme_pages_written"]),
+        "nvme_bytes_written": int(summary["nvme_bytes_written"]),
+        "bandwidth": {
+            name: {
+                "bytes_per_s": float(fit["bytes_per_s"]),
+                "latency_s": float(fit["latency_s"]),
+                "samples": int(fit["samples"]),
+            }
+            for name, fit in sorted(data["bandwidth"].items())
+        },
+        "compute_flops": float(data["compute_flops"]),
+        "heat_pages": len(data["heat"]),
+        "reuse_classes": len(classes),
+        "top_reuse_classes": classes[:top],
+        "counters": dict(sorted(summary["counters"].items())),
+    }
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def stats_view_from_file(data: Mapping[str, Any]) -> TierStats:
+    """A ``TierStats`` from checked statistics, for the exporter and ``tier metrics``.
+
+    What the file does not keep reads as zero or empty: the total page count (a page
+    may sit in several tiers), the emergency flag, in-flight bytes, the offload
+    latency histograms, the page table's size and the policy names. The counters
+    (admissions, evictions, ...) come from ``summary.counters`` by their prefixes.
+    """
+    check_stats(data, "tier statistics")
+    summary = data["summary"]
+    counters: Mapping[str, int] = {k: int(v) for k, v in summary["counters"].items()}
+    bandwidth = data["bandwidth"]
+    return TierStats(
+        pages=0,
+        used_bytes=_ints(summary["used_bytes"]),
+        capacity_bytes=_ints(summary["capacity_bytes"]),
+        pages_by_tier=_ints(summary["pages_by_tier"]),
+        hits_by_tier=_ints(summary["hits_by_tier"]),
+        misses=int(summary["misses"]),
+        lookups=int(summary["lookups"]),
+        admissions=_prefixed(counters, "admission:"),
+        evictions=_prefixed(counters, "evict:"),
+        demotions=counters.get("demotions", 0),
+        promotions=counters.get("promotions", 0),
+        hysteresis_blocks=counters.get("hysteresis", 0),
+        thrash=counters.get("thrash", 0),
+        recompute_decisions=_prefixed(counters, "recompute:"),
+        emergency_evictions=counters.get("emergency_evictions", 0),
+        emergency=False,
+        tau=_floats(data["tau"]["tau"]),
+        kappa=_floats(summary["kappa"]),
+        bandwidth_bytes_per_s={name: float(fit["bytes_per_s"]) for name, fit in bandwidth.items()},
+        latency_s={name: float(fit["latency_s"]) for name, fit in bandwidth.items()},
+        compute_flops=float(data["compute_flops"]),
+        in_flight_bytes={},
+        nvme_bytes_written=int(summary["nvme_bytes_written"]),
+        nvme_pages_written=int(summary["nvme_pages_written"]),
+        load_failures=counters.get("load_failures", 0),
+        offload_latency_s={},
+        page_table_bytes=0,
+        mover="",
+        placement="",
+        admission="",
+        eviction="",
+    )
+
+
+def _ints(values: list[Any]) -> tuple[int, int, int]:
+    return int(values[0]), int(values[1]), int(values[2])
+
+
+def _floats(values: list[Any]) -> tuple[float, float, float]:
+    return float(values[0]), float(values[1]), float(values[2])
+
+
+def _prefixed(counters: Mapping[str, int], prefix: str) -> dict[str, int]:
+    return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, for strict JSON output."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
