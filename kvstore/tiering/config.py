@@ -1,0 +1,232 @@
+"""Configuration of the tier manager: ``TierConfig``, ``ModelCost`` and the model presets.
+
+Everything here is a frozen value checked at construction, so a bad option fails at
+``TierManager.open`` with the field named, never later on an engine's thread. Sizes
+carry ``_bytes``, times ``_s``; the names are the design brief's (../TIERING.md) so
+engines and docs can rely on them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "ADMISSION_MODES",
+    "EVICTION_POLICIES",
+    "MODEL_PRESETS",
+    "PLACEMENTS",
+    "ModelCost",
+    "TierConfig",
+    "parse_admission",
+]
+
+ADMISSION_MODES = ("value_density", "all", "freq2", "store_threshold:N")
+EVICTION_POLICIES = ("phi", "lru", "arc")
+PLACEMENTS = ("write_back", "write_through", "exclusive")
+_MOVERS = ("auto", "cpu", "cuda", "fake")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What recomputing a prefix costs: the prefill FLOPs of seed 000.
+
+    Recomputing ``tokens`` tokens after ``context`` tokens already in the cache costs
+    ``2·N·tokens`` for the weights plus ``4·L·H_q·D_h·c`` per token at context ``c``
+    for attention (QKᵀ and AV), summed: ``2·L·H_q·D_h·((context + tokens)² − context²)``.
+    ``kv_bytes_per_token`` is what one token's K and V take across all layers.
+    """
+
+    n_params: float
+    layers: int
+    q_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n_params, int | float) and self.n_params > 0):
+            raise ValueError(f"ModelCost.n_params must be > 0, got {self.n_params!r}")
+        for name in ("layers", "q_heads", "head_dim", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelCost.{name} must be a positive int, got {value!r}")
+
+    @property
+    def attention_flops_per_token_context(self) -> float:
+        """FLOPs one token spends per token of context before it (4·L·H_q·D_h)."""
+        return 4.0 * self.layers * self.q_heads * self.head_dim
+
+    def prefill_flops(self, tokens: int, context: int = 0) -> float:
+        """FLOPs to compute ``tokens`` tokens that follow ``context`` cached ones."""
+        end = context + tokens
+        return 2.0 * self.n_params * tokens + 0.5 * self.attention_flops_per_token_context * (
+            end * end - context * context
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> ModelCost:
+        """A named model (``MODEL_PRESETS``); ValueError lists the known names."""
+        try:
+            return MODEL_PRESETS[name]
+        except KeyError:
+            known = ", ".join(sorted(MODEL_PRESETS))
+            raise ValueError(f"unknown model preset {name!r}; known: {known}") from None
+
+
+def _kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+MODEL_PRESETS: Mapping[str, ModelCost] = MappingProxyType(
+    {
+        # bf16 K and V, GQA with 8 KV heads: 128 KiB per token for 8B, 320 KiB for 70B.
+        "llama-3.1-8b": ModelCost(8.03e9, 32, 32, 128, _kv_bytes(32, 8, 128)),
+        "llama-3.1-70b": ModelCost(70.6e9, 80, 64, 128, _kv_bytes(80, 8, 128)),
+        "qwen2.5-7b": ModelCost(7.6e9, 28, 28, 128, _kv_bytes(28, 4, 128)),
+        "mistral-7b": ModelCost(7.2e9, 32, 32, 128, _kv_bytes(32, 8, 128)),
+        # The tiny model of tests/integrations (HF LlamaConfig, 2 layers, fp32).
+        "tiny-llama": ModelCost(2.0e6, 2, 4, 16, _kv_bytes(2, 2, 16, 4)),
+    }
+)
+
+
+def parse_admission(mode: str) -> tuple[str, int]:
+    """``"store_threshold:3"`` -> ``("store_threshold", 3)``; other modes -> ``(mode, 0)``."""
+    if mode in ("value_density", "all", "freq2"):
+        return mode, 0
+    name, _, count = mode.partition(":")
+    if name == "store_threshold" and count.isdigit() and int(count) >= 1:
+        return name, int(count)
+    raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Options for ``TierManager.open``.
+
+    Tiers: 0 HBM (``hbm_bytes``; ``hbm="owned"``: kvstore owns a page pool there,
+    ``"engine"``: the engine keeps its GPU cache and reports it), 1 DRAM (one arena of
+    ``dram_bytes``), 2 NVMe (a ``KVStore`` at ``nvme_path``, opened with
+    ``nvme_options``; without a path and with the fake mover, a bookkeeping tier of
+    ``nvme_bytes`` for simulation). See docs/tiering.md for every option's reason.
+    """
+
+    device: str = "cpu"
+    hbm: str = "owned"
+    hbm_bytes: int = 0
+    dram_bytes: int = 256 << 20
+    page_bytes: int = 1 << 20
+    tokens_per_page: int = 256
+    nvme_path: str | None = None
+    nvme_options: Mapping[str, Any] = field(default_factory=dict)
+    nvme_bytes: int | None = None  # None: the store's capacity_bytes, else unbounded
+    model: ModelCost = field(default_factory=lambda: MODEL_PRESETS["llama-3.1-8b"])
+    # Effective prefill FLOP/s until observe_prefill has measured it.
+    compute_flops: float = 4.0e14
+    layer_overlap: bool = False  # True: a load overlaps the recompute of the rest
+    # Policies (the defaults were chosen by `kvstore sim`, docs/tiering.md).
+    admission: str = "value_density"
+    eviction: str = "phi"
+    placement: str = "write_back"
+    # Φ = w1·recency + w2·log1p(hits) + w3·recompute-per-byte − w4·SLO deficit.
+    phi_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.5, 1.0)
+    recency_scale_s: float = 60.0  # one unit of recency per this many seconds of age
+    hit_half_life_s: float = 600.0  # decayed hit counts halve in this time
+    hysteresis_s: float = 1.0
+    watermark_warn: float = 0.90
+    watermark_force: float = 0.95
+    watermark_low: float = 0.85
+    max_dwpd: float | None = None  # NVMe write budget that τ_nvme steers toward
+    emergency_write_s: float = 2.0  # in-flight NVMe write bytes above this much bandwidth
+    ghost_entries: int = 65536
+    reuse_prior: tuple[float, float] = (1.0, 3.0)  # Beta prior (reuses, non-reuses) per class
+    tau_initial: float = 0.0  # s of saved time per byte; admit at VD >= τ
+    persist_stats_s: float = 30.0
+    warm_dram_on_open: bool = True
+    control_interval_s: float = 0.002  # 0: no control thread; the caller drives step()
+    mover: str = "auto"
+    clock: Callable[[], float] | None = None  # the fake mover's virtual clock, for sim
+    # Seeds for the bandwidth fit (bytes/s) and per-transfer latency (s), per path;
+    # replaced by what completed transfers measure (and the open-time probe).
+    bandwidth_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+    latency_s: Mapping[str, float] = field(default_factory=dict)
+    probe_at_open: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu" or self.device.startswith("cuda")
+        ):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.hbm not in ("owned", "engine"):
+            raise ValueError(f"hbm must be 'owned' or 'engine', got {self.hbm!r}")
+        for name in ("hbm_bytes", "dram_bytes"):
+            _non_negative_int(name, getattr(self, name))
+        for name in ("page_bytes", "tokens_per_page", "ghost_entries"):
+            _positive_int(name, getattr(self, name))
+        if self.nvme_bytes is not None:
+            _non_negative_int("nvme_bytes", self.nvme_bytes)
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            raise ValueError(f"nvme_path must be a str or None, got {self.nvme_path!r}")
+        if not isinstance(self.model, ModelCost):
+            raise ValueError(f"model must be a ModelCost, got {type(self.model).__name__}")
+        parse_admission(self.admission)
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.mover not in _MOVERS:
+            raise ValueError(f"mover must be one of {_MOVERS}, got {self.mover!r}")
+        if len(self.phi_weights) != 4 or not all(_finite(w) for w in self.phi_weights):
+            raise ValueError(f"phi_weights must be four finite numbers, got {self.phi_weights!r}")
+        for name in (
+            "compute_flops",
+            "recency_scale_s",
+            "hit_half_life_s",
+            "emergency_write_s",
+        ):
+            value = getattr(self, name)
+            if not (_finite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("hysteresis_s", "persist_stats_s", "control_interval_s", "tau_initial"):
+            value = getattr(self, name)
+            if not (_finite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not 0 < self.watermark_low <= self.watermark_warn <= self.watermark_force <= 1:
+            raise ValueError(
+                "watermarks must satisfy 0 < low <= warn <= force <= 1, got "
+                f"low={self.watermark_low} warn={self.watermark_warn} "
+                f"force={self.watermark_force}"
+            )
+        if self.max_dwpd is not None and not (_finite(self.max_dwpd) and self.max_dwpd > 0):
+            raise ValueError(f"max_dwpd must be > 0 or None, got {self.max_dwpd!r}")
+        if len(self.reuse_prior) != 2 or not all(_finite(v) and v > 0 for v in self.reuse_prior):
+            raise ValueError(f"reuse_prior must be two numbers > 0, got {self.reuse_prior!r}")
+        if self.mover == "fake" and self.nvme_path is not None:
+            raise ValueError("the fake mover moves no bytes: it cannot serve a real nvme_path")
+        if self.clock is not None and self.mover != "fake":
+            raise ValueError("clock= is the fake mover's virtual clock; set mover='fake'")
+        for mapping_name in ("bandwidth_bytes_per_s", "latency_s"):
+            for path, value in getattr(self, mapping_name).items():
+                if not (_finite(value) and value > 0 if mapping_name[0] == "b" else value >= 0):
+                    raise ValueError(f"{mapping_name}[{path!r}] must be > 0, got {value!r}")
+
+    @property
+    def admission_mode(self) -> tuple[str, int]:
+        return parse_admission(self.admission)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -1,0 +1,249 @@
+"""What a page costs to move and to recompute, measured; κ per tier; the load plan.
+
+``Bandwidth`` fits ``seconds = α + bytes / B`` per path from completed transfers
+(exponentially weighted least squares, so a drifting disk is followed within a few
+dozen transfers); ``Compute`` fits the effective prefill FLOP/s from what the engine
+reports through ``observe_prefill``. ``CostModel.plan`` picks how many of a hit
+prefix's pages to load so that the time to first token is smallest: 0 pages means
+recompute everything (MISS). Pure arithmetic on floats: no locks, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvstore.tiering.config import ModelCost
+
+__all__ = [
+    "DEFAULT_BANDWIDTH_BYTES_PER_S",
+    "DEFAULT_LATENCY_S",
+    "LOAD_PATHS",
+    "Bandwidth",
+    "Compute",
+    "CostModel",
+    "PlanCost",
+]
+
+HBM, DRAM, NVME = 0, 1, 2
+
+# Seeds until transfers are measured: an H100-class node with a PCIe Gen5 NVMe.
+DEFAULT_BANDWIDTH_BYTES_PER_S: Mapping[str, float] = {
+    "d2d": 1.0e12,
+    "h2d": 2.5e10,
+    "d2h": 2.5e10,
+    "h2h": 1.0e10,
+    "nvme_read": 6.0e9,
+    "nvme_write": 3.0e9,
+}
+DEFAULT_LATENCY_S: Mapping[str, float] = {
+    "d2d": 5e-6,
+    "h2d": 1e-5,
+    "d2h": 1e-5,
+    "h2h": 5e-6,
+    "nvme_read": 1e-4,
+    "nvme_write": 2e-4,
+}
+# How a page reaches the engine's destination from each tier.
+LOAD_PATHS: Mapping[int, tuple[str, ...]] = {
+    HBM: ("d2d",),
+    DRAM: ("h2d",),
+    NVME: ("nvme_read", "h2d"),
+}
+
+_DECAY = 0.97  # weight kept by older samples per new one: ~33 transfers of memory
+_MIN_FIT_SAMPLES = 8
+
+
+class Bandwidth:
+    """``seconds = α + bytes / B`` for one path, fitted from completed transfers."""
+
+    __slots__ = ("_s", "_sx", "_sxx", "_sxy", "_sy", "latency_s", "rate", "samples")
+
+    def __init__(self, bytes_per_s: float, latency_s: float) -> None:
+        self.rate = float(bytes_per_s)
+        self.latency_s = float(latency_s)
+        self.samples = 0
+        self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def seconds(self, nbytes: float, transfers: int = 1) -> float:
+        return transfers * self.latency_s + nbytes / self.rate
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Fold one transfer in; a zero-byte or non-positive-time sample is ignored."""
+        if nbytes <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self.samples += 1
+        x, y = float(nbytes), float(seconds)
+        self._s = self._s * _DECAY + 1.0
+        self._sx = self._sx * _DECAY + x
+        self._sy = self._sy * _DECAY + y
+        self._sxx = self._sxx * _DECAY + x * x
+        self._sxy = self._sxy * _DECAY + x * y
+        mean_x = self._sx / self._s
+        var_x = self._sxx / self._s - mean_x * mean_x
+        if self.samples >= _MIN_FIT_SAMPLES and var_x > 0.01 * mean_x * mean_x:
+            slope = (self._sxy / self._s - mean_x * (self._sy / self._s)) / var_x
+            intercept = self._sy / self._s - slope * mean_x
+            if slope > 0 and intercept >= 0:
+                self.rate, self.latency_s = 1.0 / slope, intercept
+                return
+        # Transfers all of one size cannot separate α from B: keep α, fit B.
+        busy = y - self.latency_s
+        if busy <= 0:
+            busy = y
+        weight = 0.2 if self.samples > 1 else 1.0
+        self.rate = (1 - weight) * self.rate + weight * (x / busy)
+
+    def to_json(self) -> dict[str, float]:
+        return {"bytes_per_s": self.rate, "latency_s": self.latency_s, "samples": self.samples}
+
+
+class Compute:
+    """Effective prefill FLOP/s, from the engine's measured prefills."""
+
+    __slots__ = ("flops_per_s", "samples")
+
+    def __init__(self, flops_per_s: float) -> None:
+        self.flops_per_s = float(flops_per_s)
+        self.samples = 0
+
+    def observe(self, flops: float, seconds: float) -> None:
+        if flops <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self.samples += 1
+        weight = 1.0 if self.samples == 1 else 0.1
+        self.flops_per_s = (1 - weight) * self.flops_per_s + weight * flops / seconds
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCost:
+    """The numbers behind a load plan; all times in seconds."""
+
+    load_pages: int
+    ttft_s: float  # with ``load_pages`` loaded
+    ttft_recompute_s: float  # load nothing
+    ttft_load_all_s: float  # load every hit page
+    load_s: float  # the transfer part of ``ttft_s``
+    recompute_s: float  # the prefill part of ``ttft_s``
+
+
+class CostModel:
+    """T_transfer and T_recompute for pages and prefixes; κ; the load plan."""
+
+    def __init__(
+        self,
+        model: ModelCost,
+        tokens_per_page: int,
+        compute: Compute,
+        bandwidth: Mapping[str, Bandwidth],
+        *,
+        layer_overlap: bool = False,
+    ) -> None:
+        self.model = model
+        self.tokens_per_page = tokens_per_page
+        self.compute = compute
+        self.bandwidth = bandwidth
+        self.layer_overlap = layer_overlap
+
+    # -- single terms ------------------------------------------------------
+
+    def recompute_s(self, tokens: int, context: int = 0) -> float:
+        """Prefill time of ``tokens`` tokens after ``context`` cached tokens."""
+        if tokens <= 0:
+            return 0.0
+        return self.model.prefill_flops(tokens, context) / self.compute.flops_per_s
+
+    def transfer_s(self, tier: int, nbytes: int, transfers: int = 1) -> float:
+        """Time to bring ``nbytes`` from ``tier`` to the destination."""
+        return sum(self.bandwidth[p].seconds(nbytes, transfers) for p in LOAD_PATHS[tier])
+
+    def kappa(self, tier: int, page_bytes: int) -> float:
+        """κ: recompute time of one page at context 0 over its load time from ``tier``."""
+        load = self.transfer_s(tier, page_bytes)
+        return self.recompute_s(self.tokens_per_page) / load if load > 0 else math.inf
+
+    def value_density(self, reuse_p: float, depth: int, nbytes: int, tier: int) -> float:
+        """Seed 001: VD = (p·T_recompute − T_{tier→HBM}) / bytes, in s per byte."""
+        tokens = self.tokens_per_page
+        saved = reuse_p * self.recompute_s(tokens, depth * tokens)
+        return (saved - self.transfer_s(tier, nbytes)) / max(nbytes, 1)
+
+    # -- the plan ------------------------------------------------------------
+
+    def plan(
+        self,
+        tiers: Sequence[int],
+        nbytes: Sequence[int],
+        total_tokens: int,
+        *,
+        extra_s: Sequence[float] | None = None,
+    ) -> PlanCost:
+        """How many leading pages of a hit to load so that TTFT is smallest.
+
+        ``tiers[i]`` is where hit page i is served from, ``nbytes[i]`` its size,
+        ``total_tokens`` the request's prompt (at least the hit's tokens);
+        ``extra_s[i]`` is time page i must still wait for (a read in flight). Loads
+        from one tier share one transfer latency (one batch per path). Without layer
+        overlap TTFT = load + recompute of the rest; with it, the larger of the two.
+        Ties go to loading fewer pages: a load that saves nothing is not worth its
+        risk. O(len(tiers)).
+        """
+        hit = len(tiers)
+        tpp = self.tokens_per_page
+        total_tokens = max(total_tokens, hit * tpp)
+        rate = self.compute.flops_per_s
+        model = self.model
+        bandwidth = self.bandwidth
+        paths_seen: set[str] = set()
+        load = 0.0
+        waited = 0.0
+        best_pages, best_ttft, best_load, best_rec = 0, 0.0, 0.0, 0.0
+        rec0 = model.prefill_flops(total_tokens, 0) / rate
+        best_ttft = rec0
+        best_rec = rec0
+        ttft = rec0
+        for i in range(hit):
+            size = nbytes[i]
+            for path in LOAD_PATHS[tiers[i]]:
+                fit = bandwidth[path]
+                load += size / fit.rate
+                if path not in paths_seen:
+                    paths_seen.add(path)
+                    load += fit.latency_s
+            if extra_s is not None and extra_s[i] > waited:
+                waited = extra_s[i]
+            loaded = (i + 1) * tpp
+            rec = model.prefill_flops(total_tokens - loaded, loaded) / rate
+            moving = max(load, waited)
+            ttft = max(moving, rec) if self.layer_overlap else moving + rec
+            if ttft < best_ttft:
+                best_pages, best_ttft, best_load, best_rec = i + 1, ttft, moving, rec
+        return PlanCost(
+            load_pages=best_pages,
+            ttft_s=best_ttft,
+            ttft_recompute_s=rec0,
+            ttft_load_all_s=ttft,
+            load_s=best_load,
+            recompute_s=best_rec,
+        )
+
+    def ttft_s(self, tiers: Sequence[int], nbytes: Sequence[int], total_tokens: int) -> float:
+        """TTFT when every page in ``tiers`` is loaded (what an always-load peer pays)."""
+        return self.plan(tiers, nbytes, total_tokens).ttft_load_all_s
+
+
+def make_bandwidths(
+    rates: Mapping[str, float], latencies: Mapping[str, float]
+) -> dict[str, Bandwidth]:
+    """One ``Bandwidth`` per path: the defaults, overridden by ``rates``/``latencies``."""
+    out = {}
+    for path, default in DEFAULT_BANDWIDTH_BYTES_PER_S.items():
+        out[path] = Bandwidth(
+            rates.get(path, default), latencies.get(path, DEFAULT_LATENCY_S[path])
+        )
+    unknown = (set(rates) | set(latencies)) - set(out)
+    if unknown:
+        raise ValueError(f"unknown transfer paths {sorted(unknown)}; known: {sorted(out)}")
+    return out

@@ -1,0 +1,1636 @@
+"""``TierManager``: places KV pages across HBM (0), DRAM (1) and NVMe (2).
+
+The engine-facing API of ../TIERING.md. No call waits for I/O on the caller's
+thread: copies and NVMe reads/writes are tickets on the mover; their completions
+are harvested (rule R6: before any eviction decision) by ``step``, which the control
+thread runs every ``control_interval_s`` (or the caller, with 0: the simulator).
+
+Lock plan: one lock (``_lock``, reentrant) guards every ``PageRec``, the orders,
+the arenas' slot ownership and the counters. Mover threads never take it; they only
+complete tickets. Store calls made under it are the non-blocking ones (``delete``:
+a WAL append); reads and writes run on the mover's I/O thread.
+
+Page state machine (rule R4): a slot is written only while its page is WRITING or
+LOADING and read only while READY or EVICTING; a pinned page (a load in progress,
+or ``pin``) is never a victim and its slots are never reused. NVMe bytes are verified
+by the store on every read (R5): a failed read drops the page, never serves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path as FsPath
+from typing import Any, NamedTuple
+
+from kvstore.errors import ClosedError, KVStoreError
+from kvstore.tiering.arena import Arena
+from kvstore.tiering.config import TierConfig
+from kvstore.tiering.cost import Bandwidth, Compute, CostModel, make_bandwidths
+from kvstore.tiering.mover import FakeMover, Mover, Path, Priority, Ticket, VirtualClock, make_mover
+from kvstore.tiering.pages import BIT, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState, page_key
+from kvstore.tiering.policy import (
+    Admission,
+    EvictionOrder,
+    ReuseEstimator,
+    TauController,
+    make_order,
+)
+from kvstore.tiering.results import (
+    LoadHandle,
+    LoadPlan,
+    LookupResult,
+    LookupState,
+    OfferResult,
+    ReleaseHandle,
+    RequestContext,
+    TierStats,
+)
+
+__all__ = ["STATS_FILE", "STATS_VERSION", "TierManager"]
+
+STATS_FILE = "tiering-stats.json"
+STATS_VERSION = 1
+META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: format 1)
+OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
+_HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
+_BATCH = 64  # pages per eviction batch at most
+_WARM_BATCH = 16
+_NO_CONTEXT = RequestContext()
+
+
+class _VirtualSlots:
+    """Slot accounting without memory, for the fake mover (simulation)."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.capacity_bytes = slots * slot_bytes
+        self._free = list(range(slots - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def used_slots(self) -> int:
+        return self.slots - len(self._free)
+
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def view(self, slot: int, nbytes: int | None = None) -> Any:
+        return None
+
+
+def _slot_bytes(page_bytes: int) -> int:
+    return (page_bytes + 4095) // 4096 * 4096
+
+
+class TierManager:
+    """The tier manager. Open with ``TierManager.open(TierConfig(...))``; a context manager."""
+
+    # -- open / close --------------------------------------------------------
+
+    @classmethod
+    def open(cls, config: TierConfig | None = None) -> TierManager:
+        return cls(config or TierConfig())
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._closed = False
+        self._fake = config.mover == "fake"
+        slot = _slot_bytes(config.page_bytes)
+        self._bandwidth: dict[str, Bandwidth] = make_bandwidths(
+            config.bandwidth_bytes_per_s, config.latency_s
+        )
+        self._compute = Compute(config.compute_flops)
+        self.cost = CostModel(
+            config.model,
+            config.tokens_per_page,
+            self._compute,
+            self._bandwidth,
+            layer_overlap=config.layer_overlap,
+        )
+        self._mover: Mover
+        self.clock: VirtualClock | None = None
+        if self._fake:
+            self.clock = VirtualClock()
+            if config.clock is not None:
+                self.clock.set(config.clock())
+            self._mover = FakeMover(
+                {Path(p): b.rate for p, b in self._bandwidth.items()},
+                {Path(p): b.latency_s for p, b in self._bandwidth.items()},
+                self.clock,
+            )
+        else:
+            self._mover = make_mover(config.mover, config.device)
+        self._now: Callable[[], float] = self._mover.now
+        owned_hbm = config.hbm == "owned" and config.hbm_bytes >= slot
+        self._owned_hbm = owned_hbm
+        self._hbm: Any = None
+        self._dram: Any
+        if self._fake:
+            if owned_hbm:
+                self._hbm = _VirtualSlots(config.hbm_bytes // slot, slot)
+            self._dram = _VirtualSlots(config.dram_bytes // slot, slot)
+        else:
+            if owned_hbm:
+                self._hbm = Arena(config.hbm_bytes, slot, config.device, name="hbm")
+            pin = config.device.startswith("cuda")
+            self._dram = Arena(config.dram_bytes, slot, "cpu", pin=pin, name="dram")
+        self._slot_bytes = slot
+        self._store: Any = None
+        self._stats_path: FsPath | None = None
+        nvme_capacity: int | None = config.nvme_bytes
+        if config.nvme_path is not None:
+            from kvstore.store import KVStore
+
+            options: dict[str, Any] = {"create": True, "max_page_bytes": slot}
+            options.update(config.nvme_options)
+            self._store = KVStore.open(config.nvme_path, **options)
+            self._stats_path = FsPath(config.nvme_path) / STATS_FILE
+            if nvme_capacity is None:
+                nvme_capacity = self._store.config.capacity_bytes
+        self._nvme_enabled = self._store is not None or (self._fake and bool(config.nvme_bytes))
+        self._capacity = [
+            self._hbm.capacity_bytes if self._hbm is not None else 0,
+            self._dram.capacity_bytes,
+            (nvme_capacity if nvme_capacity is not None else 1 << 62) if self._nvme_enabled else 0,
+        ]
+        if config.hbm == "engine":
+            self._capacity[HBM] = config.hbm_bytes
+        self._used = [0, 0, 0]  # bytes (slots x slot size for HBM/DRAM)
+        self._leaving = [0, 0, 0]  # of which: demotions out of the tier in flight
+        self._count = [0, 0, 0]
+        self._pages: dict[bytes, PageRec] = {}
+        weights = config.phi_weights
+        self._orders: list[EvictionOrder] = [
+            make_order(config.eviction, weights, config.recency_scale_s, self._cost_ratio)
+            for _ in range(3)
+        ]
+        mode, threshold = config.admission_mode
+        self._reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
+        self._admission = Admission(mode, threshold, self._value_density)
+        self._tau = TauController(config.tau_initial)
+        self._base_recompute_per_byte = self.cost.recompute_s(config.tokens_per_page) / slot
+        self._decay_per_s = math.log(2) / config.hit_half_life_s
+        self._counters: dict[str, int] = {}
+        self._latency: dict[str, list[float]] = {}
+        self._hits = [0, 0, 0]
+        self._misses = 0
+        self._lookups = 0
+        self._nvme_written = [0, 0]  # pages, bytes
+        self._emergency = False
+        self._emergency_offers = 0
+        self._warm: deque[bytes] = deque()
+        self._warm_in_flight = 0
+        self._write_window: deque[tuple[float, int]] = deque()
+        self._last_persist = self._now()
+        self._loads: set[LoadHandle] = set()
+        self._fetch_queue: deque[PageRec] = deque()  # demand reads waiting for a DRAM slot
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            if self._store is not None:
+                self._rebuild_from_nvme()
+                self._load_stats()
+            if config.probe_at_open and not self._fake:
+                self._probe()
+        except BaseException:
+            self._close_resources()
+            raise
+        if config.control_interval_s > 0 and not self._fake:
+            self._thread = threading.Thread(
+                target=self._control_loop, name="kvstore-tier-control", daemon=True
+            )
+            self._thread.start()
+
+    def __enter__(self) -> TierManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish in-flight writes, persist the statistics, close the store. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._mover.close()
+        with self._lock:
+            self._harvest()
+            for handle in list(self._loads):
+                for index, result in enumerate(handle.results):
+                    if result is None:
+                        handle.settle(index, 0)
+            snapshot = self._stats_snapshot() if self._stats_path is not None else None
+        if snapshot is not None:
+            self._write_stats(snapshot)
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        with contextlib.suppress(Exception):
+            self._mover.close()
+        if self._store is not None:
+            self._store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the tier manager is closed")
+
+    @property
+    def store(self) -> Any:
+        """The NVMe tier's ``KVStore`` (None without ``nvme_path``)."""
+        return self._store
+
+    # -- lookup and load ---------------------------------------------------
+
+    def lookup(
+        self,
+        keys: Sequence[object],
+        ctx: RequestContext | None = None,
+        *,
+        tokens: int | None = None,
+    ) -> LookupResult:
+        """The resident prefix of ``keys`` and the plan to load it (or not).
+
+        ``tokens``: the prompt's length (default ``ctx.tokens``, else one page per
+        key); the plan compares loading the hit with recomputing it. PENDING pages are
+        fetched NVMe -> DRAM in the background at once.
+        """
+        ctx = ctx or _NO_CONTEXT
+        with self._lock:
+            self._check_open()
+            self._harvest()
+            pages = self._pages
+            access = self._reuse.access
+            tag = ctx.tag
+            hit_keys: list[bytes] = []
+            tiers: list[int] = []
+            sizes: list[int] = []
+            extra: list[float] | None = None
+            by_tier = [0, 0, 0]
+            now = self._now()
+            for depth, raw in enumerate(keys):
+                key = raw if type(raw) is bytes else page_key(raw)
+                rec = pages.get(key)
+                access(key, depth, tag, lookup=True)
+                if rec is None or not rec.tiers:
+                    break
+                tier = rec.top_tier()
+                by_tier[tier] += 1
+                hit_keys.append(key)
+                tiers.append(tier)
+                sizes.append(rec.nbytes)
+                if rec.state is not PageState.READY and rec.state is not PageState.EVICTING:
+                    if extra is None:
+                        extra = [0.0] * (len(tiers) - 1)
+                    extra.append(self._wait_estimate(rec))
+                elif extra is not None:
+                    extra.append(0.0)
+            # Leaves older than their parents at the same instant: chains go from the tail.
+            for key in reversed(hit_keys):
+                self._touch(pages[key], now, ctx)
+            total = tokens if tokens is not None else ctx.tokens
+            if total is None:
+                total = len(keys) * self.config.tokens_per_page
+            hit = len(hit_keys)
+            self._lookups += 1
+            self._misses += len(keys) - hit
+            for tier in range(3):
+                self._hits[tier] += by_tier[tier]
+            cost = self.cost.plan(tiers, sizes, total, extra_s=extra)
+            load = cost.load_pages
+            if hit == 0:
+                reason = "no hit"
+            elif load == 0:
+                reason = "recompute is faster"
+            elif load < hit:
+                reason = "partial: recomputing the rest is faster"
+            else:
+                reason = "load"
+            if load < hit:
+                self._bump("recompute:" + ("no_hit" if hit == 0 else "faster"))
+            state = LookupState.MISS if load == 0 else LookupState.READY
+            if load:
+                pending = [
+                    pages[k]
+                    for k in hit_keys[:load]
+                    if pages[k].state is not PageState.READY or pages[k].top_tier() == NVME
+                ]
+                pending = [r for r in pending if r.state is not PageState.EVICTING]
+                if pending:
+                    state = LookupState.PENDING
+                    self._fetch(pending, Priority.DEMAND, promote=True)
+            plan = LoadPlan(tuple(hit_keys), tuple(tiers), load, cost, reason)
+            return LookupResult(state, hit, (by_tier[0], by_tier[1], by_tier[2]), plan)
+
+    def prepare_load(
+        self,
+        plan: LoadPlan,
+        dst: Sequence[Any] | None,
+        *,
+        wait_event: Any = None,
+    ) -> LoadHandle:
+        """Copy the plan's ``load_pages`` pages into ``dst`` (one byte-viewable tensor
+        per page, on the device). Pins them until ``complete_load``. ``wait_event``
+        (R3): a CUDA event the engine recorded after its last read of ``dst``."""
+        count = plan.load_pages
+        views: list[Any] = [None] * count
+        if not self._fake:
+            if dst is None or len(dst) < count:
+                got = 0 if dst is None else len(dst)
+                raise ValueError(f"the plan loads {count} pages but {got} destinations were given")
+            views = [_byte_view(t, f"dst[{i}]") for i, t in enumerate(dst[:count])]
+        with self._lock:
+            self._check_open()
+            self._harvest()
+            records: list[PageRec | None] = [self._pages.get(k) for k in plan.keys[:count]]
+            handle = LoadHandle(plan, records, self._pump)
+            self._loads.add(handle)
+            direct: dict[Path, list[tuple[int, Any, Any]]] = {}
+            waiting: list[int] = []
+            for index, rec in enumerate(records):
+                if rec is None or not rec.tiers:
+                    handle.settle(index, 0)
+                    continue
+                if views[index] is not None and views[index].numel() < rec.nbytes:
+                    handle.settle(index, 0)
+                    continue
+                rec.pins += 1
+                handle.pinned.add(index)
+                source = self._readable_source(rec)
+                if source is None:
+                    waiting.append(index)
+                else:
+                    path, view = source
+                    direct.setdefault(path, []).append((index, view, views[index]))
+            for path, items in direct.items():
+                self._copy_to_destination(handle, path, items, wait_event)
+            nvme: list[PageRec] = []
+            for index in waiting:
+                rec = records[index]
+                assert rec is not None
+                self._add_waiter(rec, handle, index, views[index], wait_event)
+                if rec.state is PageState.READY:
+                    nvme.append(rec)
+            if nvme:
+                self._fetch(nvme, Priority.DEMAND, promote=True)
+                # No DRAM slot for the rest yet: they read as slots come free.
+                self._fetch_queue.extend(r for r in nvme if r.state is PageState.READY)
+            return handle
+
+    def _unpin_load(self, handle: LoadHandle, index: int) -> None:
+        if index in handle.pinned:
+            handle.pinned.discard(index)
+            rec = handle.records[index]
+            if rec is not None and rec.pins > 0:
+                rec.pins -= 1
+                self._forget_if_gone(rec)
+
+    def complete_load(self, handle: LoadHandle) -> int:
+        """Release the pins of a finished load; returns ``loaded_pages``. ValueError
+        while copies are still in flight (``wait`` first): their slots stay pinned."""
+        with self._lock:
+            if handle not in self._loads:
+                return handle.loaded_pages
+            if not handle.done():
+                raise ValueError("the load is still in flight; call handle.wait() first")
+            self._loads.discard(handle)
+            for index in list(handle.pinned):
+                self._unpin_load(handle, index)
+            loaded = handle.loaded_pages
+            self._bump("loads:pages", loaded)
+            return loaded
+
+    # -- offer -----------------------------------------------------------------
+
+    def offer(
+        self,
+        keys: Sequence[object],
+        srcs: Sequence[Any] | None,
+        ctx: RequestContext | None = None,
+        *,
+        parents: Sequence[object | None] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        event: Any = None,
+        sizes: Sequence[int] | None = None,
+    ) -> OfferResult:
+        """Offer freshly computed pages. ``parents[i]`` is keys[i]'s parent (default:
+        the previous key, the first one a root; ``meta["parent"]`` gives the first
+        key's parent). ``event`` (R1): a CUDA event recorded on the producer's stream
+        after the pages were written. The copies run asynchronously;
+        ``hbm_release`` says when ``srcs`` may be reused. Declines (everything
+        pinned, below τ, an orphan) are in the result: nothing raises into the engine
+        for a full tier. ``sizes``: page sizes when ``srcs`` is None (fake mover)."""
+        ctx = ctx or _NO_CONTEXT
+        count = len(keys)
+        key_bytes = [k if type(k) is bytes else page_key(k) for k in keys]
+        if parents is not None and len(parents) != count:
+            raise ValueError(f"{count} keys but {len(parents)} parents")
+        first_parent: bytes | None = None
+        if meta is not None and meta.get("parent") is not None:
+            first_parent = page_key(meta["parent"])
+        parent_keys: list[bytes | None] = (
+            [None if p is None else page_key(p) for p in parents]
+            if parents is not None
+            else [first_parent, *key_bytes[:-1]]
+        )
+        views: list[Any] = [None] * count
+        if srcs is None:
+            if not self._fake:
+                raise ValueError("srcs is required (only the fake mover takes sizes alone)")
+            nbytes = list(sizes) if sizes is not None else [self.config.page_bytes] * count
+        else:
+            if len(srcs) != count:
+                raise ValueError(f"{count} keys but {len(srcs)} sources")
+            views = [_byte_view(s, f"srcs[{i}]") for i, s in enumerate(srcs)]
+            nbytes = [int(v.numel()) for v in views]
+        for i, size in enumerate(nbytes):
+            if size <= 0 or size > self.config.page_bytes:
+                raise ValueError(
+                    f"page {i} is {size} bytes; pages are 1..page_bytes="
+                    f"{self.config.page_bytes} bytes"
+                )
+        tiers_out: list[int | None] = [None] * count
+        reasons = ["declined"] * count
+        with self._lock:
+            self._check_open()
+            self._harvest()
+            now = self._now()
+            pages = self._pages
+            placed: set[bytes] = set()
+            declined: set[bytes] = set()
+            copies: dict[Path, list[tuple[PageRec, Any, Any, int]]] = {}
+            engine_hbm = self.config.hbm == "engine"
+            touched: list[PageRec] = []
+            for i in range(count):
+                key = key_bytes[i]
+                parent = parent_keys[i]
+                rec = pages.get(key)
+                seen, counted = self._reuse_access(key, rec, parent, ctx.tag)
+                if rec is not None and rec.tiers:
+                    if counted:
+                        touched.append(rec)
+                    if engine_hbm and not rec.in_tier(HBM):
+                        self._set_tier(rec, HBM)
+                    tiers_out[i] = rec.top_tier()
+                    reasons[i] = "present"
+                    placed.add(key)
+                    continue
+                if parent is not None and parent in declined:
+                    reasons[i] = "parent declined"
+                    declined.add(key)
+                    continue
+                parent_rec = pages.get(parent) if parent is not None else None
+                if (
+                    parent is not None
+                    and parent not in placed
+                    and (parent_rec is None or not parent_rec.tiers)
+                ):
+                    reasons[i] = "orphan: parent not resident"
+                    declined.add(key)
+                    self._bump("admission:orphan")
+                    continue
+                if self._emergency and self._ramp_drop():
+                    reasons[i] = "emergency: NVMe write queue saturated"
+                    declined.add(key)
+                    continue
+                depth = parent_rec.depth + 1 if parent_rec is not None else 0
+                if rec is None:
+                    rec = PageRec(key, parent, depth, self.config.tokens_per_page, nbytes[i], now)
+                    rec.tag = ctx.tag
+                    pages[key] = rec
+                else:
+                    rec.nbytes = nbytes[i]
+                rec.deadline_s = ctx.deadline_s
+                rec.last_access_s = now
+                tier, reason = self._place_new(rec, seen)
+                reasons[i] = reason
+                if tier is None:
+                    declined.add(key)
+                    self._forget_if_gone(rec)
+                    continue
+                tiers_out[i] = HBM if engine_hbm else tier
+                placed.add(key)
+                if engine_hbm:
+                    self._set_tier(rec, HBM)
+                if tier == HBM:
+                    copies.setdefault(Path.D2D, []).append((rec, views[i], None, HBM))
+                elif tier == DRAM:
+                    copies.setdefault(Path.D2H, []).append((rec, views[i], None, DRAM))
+            tickets = [self._submit_offer_copy(p, items, event) for p, items in copies.items()]
+            for rec in reversed(touched):  # the prefix after its new tail: newest of all
+                self._touch(rec, now, ctx)
+            release = self._release_handle(tickets)
+            return OfferResult(tuple(tiers_out), tuple(reasons), release)
+
+    def notify_hbm_evicted(self, keys: Iterable[object]) -> None:
+        """``hbm="engine"``: the engine dropped these blocks from its GPU cache."""
+        with self._lock:
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is not None and rec.in_tier(HBM):
+                    self._clear_tier(rec, HBM)
+                    self._forget_if_gone(rec)
+
+    def prefetch(self, keys: Sequence[object], ctx: RequestContext | None = None) -> int:
+        """At enqueue time: start NVMe -> DRAM reads of the resident prefix's NVMe-only
+        pages. Returns how many reads were started."""
+        with self._lock:
+            self._check_open()
+            self._harvest()
+            wanted = []
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is None or not rec.tiers:
+                    break
+                if rec.top_tier() == NVME and rec.state is PageState.READY:
+                    wanted.append(rec)
+            return self._fetch(wanted, Priority.PREFETCH, promote=True)
+
+    def finish_request(self, ctx: RequestContext) -> None:
+        """The request is done: its pages no longer carry its SLO."""
+        with self._lock:
+            if not ctx.request_id:
+                return
+            self._bump("requests:finished")
+
+    def observe_prefill(self, tokens: int, context: int, seconds: float) -> None:
+        """The engine measured a prefill of ``tokens`` after ``context`` cached ones."""
+        if tokens <= 0 or context < 0 or not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(
+                f"observe_prefill needs tokens > 0, context >= 0, seconds > 0; got "
+                f"{tokens}, {context}, {seconds}"
+            )
+        with self._lock:
+            self._compute.observe(self.config.model.prefill_flops(tokens, context), seconds)
+
+    # -- pins and retains ------------------------------------------------------
+
+    def pin(self, keys: Iterable[object]) -> list[bool]:
+        """Keep pages where they are (never victims); False for a page not resident."""
+        with self._lock:
+            out = []
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is None or not rec.tiers:
+                    out.append(False)
+                    continue
+                rec.pins += 1
+                out.append(True)
+            return out
+
+    def unpin(self, keys: Iterable[object]) -> None:
+        with self._lock:
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is None or rec.pins == 0:
+                    raise ValueError(f"page {raw!r} is not pinned")
+                rec.pins -= 1
+
+    def retain(self, keys: Iterable[object]) -> list[bool]:
+        """Freeze pages: admitted past τ, written to NVMe and retained there."""
+        with self._lock:
+            out = []
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is None or not rec.tiers:
+                    out.append(False)
+                    continue
+                rec.retained = True
+                if self._store is not None and rec.in_tier(NVME):
+                    self._store.retain(rec.key)
+                elif rec.in_tier(DRAM) and rec.state is PageState.READY and self._nvme_enabled:
+                    self._write_back([rec], demote=False)
+                out.append(True)
+            return out
+
+    def release(self, keys: Iterable[object]) -> None:
+        with self._lock:
+            for raw in keys:
+                rec = self._pages.get(page_key(raw))
+                if rec is None or not rec.retained:
+                    continue
+                rec.retained = False
+                if self._store is not None and rec.in_tier(NVME):
+                    with contextlib.suppress(KVStoreError):
+                        self._store.release(rec.key)
+
+    # -- the control loop -----------------------------------------------------
+
+    def step(self) -> None:
+        """One control cycle: completions, τ, watermarks and batch eviction, the
+        emergency check, DRAM warming, a statistics save when due."""
+        snapshot = None
+        with self._lock:
+            if self._closed:
+                return
+            self._harvest()
+            now = self._now()
+            self._check_emergency()
+            usage = self._usage()
+            self._tau.update(
+                now,
+                usage,
+                self.config.watermark_warn,
+                self.config.watermark_low,
+                self._write_over_budget(now),
+            )
+            for tier in (HBM, DRAM, NVME) if self._owned_hbm else (DRAM, NVME):
+                if usage[tier] >= self.config.watermark_warn:
+                    force = usage[tier] >= self.config.watermark_force
+                    self._evict_to(tier, self.config.watermark_low, force=force)
+            self._retry_fetches()
+            self._warm_step()
+            if (
+                self._stats_path is not None
+                and self.config.persist_stats_s > 0
+                and now - self._last_persist >= self.config.persist_stats_s
+            ):
+                self._last_persist = now
+                snapshot = self._stats_snapshot()
+        if snapshot is not None:
+            self._write_stats(snapshot)
+
+    def _control_loop(self) -> None:
+        interval = self.config.control_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self.step()
+            except Exception as e:  # the loop must outlive one bad cycle
+                self._bump("control:errors")
+                self._last_error = repr(e)
+
+    def _pump(self) -> None:
+        """What a waiting caller does: run a cycle, or let the control thread run."""
+        if self._thread is None:
+            self.step()
+            if self._fake and self.clock is not None:
+                next_s = self._mover.next_completion_s()  # type: ignore[attr-defined]
+                if next_s is not None and next_s > self.clock.now():
+                    self.clock.set(next_s)
+            else:
+                time.sleep(0.0002)
+        else:
+            time.sleep(0.0002)
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until nothing is in flight (tests, benchmarks, close)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                self._harvest()
+                busy = self._mover.in_flight_bytes() > 0
+            if not busy:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self._pump()
+
+    # -- statistics, explain ------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            kappa = tuple(self.cost.kappa(t, self.config.page_bytes) for t in range(3))
+            return TierStats(
+                pages=len(self._pages),
+                used_bytes=(self._used[0], self._used[1], self._used[2]),
+                capacity_bytes=(self._capacity[0], self._capacity[1], self._capacity[2]),
+                pages_by_tier=(self._count[0], self._count[1], self._count[2]),
+                hits_by_tier=(self._hits[0], self._hits[1], self._hits[2]),
+                misses=self._misses,
+                lookups=self._lookups,
+                admissions=self._prefixed("admission:"),
+                evictions=self._prefixed("evict:"),
+                demotions=self._counters.get("demotions", 0),
+                promotions=self._counters.get("promotions", 0),
+                hysteresis_blocks=self._counters.get("hysteresis", 0),
+                thrash=self._counters.get("thrash", 0),
+                recompute_decisions=self._prefixed("recompute:"),
+                emergency_evictions=self._counters.get("emergency_evictions", 0),
+                emergency=self._emergency,
+                tau=(self._tau.tau[0], self._tau.tau[1], self._tau.tau[2]),
+                kappa=(kappa[0], kappa[1], kappa[2]),
+                bandwidth_bytes_per_s={p: b.rate for p, b in self._bandwidth.items()},
+                latency_s={p: b.latency_s for p, b in self._bandwidth.items()},
+                compute_flops=self._compute.flops_per_s,
+                in_flight_bytes={p.value: self._mover.in_flight_bytes(p) for p in Path},
+                nvme_bytes_written=self._nvme_written[1],
+                nvme_pages_written=self._nvme_written[0],
+                load_failures=self._counters.get("load_failures", 0),
+                offload_latency_s={
+                    k: (OFFLOAD_BUCKETS_S, tuple(int(c) for c in v[:-2]), v[-2], int(v[-1]))
+                    for k, v in self._latency.items()
+                },
+                page_table_bytes=self._page_table_bytes(),
+                mover=type(self._mover).__name__,
+                placement=self.config.placement,
+                admission=self.config.admission,
+                eviction=self.config.eviction,
+            )
+
+    def metrics_registry(self) -> Any:
+        """A Prometheus registry with the tier metrics (docs/tiering.md)."""
+        from kvstore.tiering.metrics import registry_for
+
+        return registry_for(self.stats)
+
+    def explain(self, key: object) -> str:
+        """The numbers behind the manager's view of one page, in words."""
+        with self._lock:
+            raw = page_key(key)
+            rec = self._pages.get(raw)
+            if rec is None:
+                seen = self._reuse.seen(raw)
+                return f"page {raw!r}: not resident (seen {seen} time(s) recently)"
+            now = self._now()
+            lines = [repr(rec)]
+            p = self._reuse.p(rec.depth, rec.reused, rec.tag)
+            rec_s = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens)
+            lines.append(
+                f"  depth {rec.depth}, {rec.tokens} tokens, {rec.nbytes} bytes; "
+                f"recompute {rec_s * 1e3:.3f} ms; p(reuse) {p:.3f} "
+                f"(class depth~{rec.depth}, reused={rec.reused}, tag={rec.tag!r})"
+            )
+            for tier in range(3):
+                xfer = self.cost.transfer_s(tier, rec.nbytes)
+                vd = self._value_density(rec, tier)
+                kappa = rec_s / xfer if xfer > 0 else math.inf
+                lines.append(
+                    f"  {TIER_NAMES[tier]:>4}: load {xfer * 1e3:.3f} ms, kappa {kappa:.2f}, "
+                    f"VD {vd:.3e} s/B vs tau {self._tau.tau[tier]:.3e} -> "
+                    f"{'admit' if vd >= self._tau.tau[tier] else 'decline'}"
+                    f"{'  (resident)' if rec.in_tier(tier) else ''}"
+                )
+            lines.append(
+                f"  last access {now - rec.last_access_s:.3f} s ago, decayed hits "
+                f"{rec.hits:.2f}, pins {rec.pins}, retained {rec.retained}, "
+                f"demoted {max(now - rec.demoted_at_s, 0):.3f} s ago"
+            )
+            return "\n".join(lines)
+
+    # -- internals: accounting ----------------------------------------------------
+
+    def _bump(self, name: str, by: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + by
+
+    def _prefixed(self, prefix: str) -> dict[str, int]:
+        n = len(prefix)
+        return {k[n:]: v for k, v in self._counters.items() if k.startswith(prefix)}
+
+    def _usage(self) -> tuple[float, float, float]:
+        """Per tier, the share of capacity held and not already on its way out."""
+        cap, used, leaving = self._capacity, self._used, self._leaving
+        return (
+            (used[0] - leaving[0]) / cap[0] if cap[0] else 0.0,
+            (used[1] - leaving[1]) / cap[1] if cap[1] else 0.0,
+            (used[2] - leaving[2]) / cap[2] if cap[2] else 0.0,
+        )
+
+    def _page_table_bytes(self) -> int:
+        # A PageRec with its slots, key and dict entry: ~ 360 bytes + the key.
+        return sum(360 + len(k) for k in self._pages)
+
+    def _cost_ratio(self, rec: PageRec) -> float:
+        per_byte = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens) / max(rec.nbytes, 1)
+        return per_byte / self._base_recompute_per_byte if self._base_recompute_per_byte else 1.0
+
+    def _value_density(self, rec: PageRec, tier: int) -> float:
+        p = self._reuse.p(rec.depth, rec.reused, rec.tag)
+        return self.cost.value_density(p, rec.depth, rec.nbytes, tier)
+
+    def _reuse_access(
+        self, key: bytes, rec: PageRec | None, parent: bytes | None, tag: str
+    ) -> tuple[int, bool]:
+        before = self._reuse.seen(key)
+        if rec is not None:
+            depth = rec.depth
+        else:
+            parent_rec = self._pages.get(parent) if parent is not None else None
+            depth = parent_rec.depth + 1 if parent_rec is not None else 0
+        seen = self._reuse.access(key, depth, tag, lookup=False)
+        counted = seen != before or before == 0
+        if rec is not None and seen > 1:
+            rec.reused = True
+        return seen, counted
+
+    def _touch(self, rec: PageRec, now: float, ctx: RequestContext) -> None:
+        age = now - rec.last_access_s
+        rec.hits = rec.hits * math.exp(-self._decay_per_s * age) + 1.0 if age > 0 else rec.hits + 1
+        rec.last_access_s = now
+        rec.reused = True
+        if ctx.deadline_s is not None:
+            rec.deadline_s = ctx.deadline_s
+        tiers = rec.tiers
+        orders = self._orders
+        if tiers & 1:
+            orders[0].touch(rec)
+        if tiers & 2:
+            orders[1].touch(rec)
+        if tiers & 4:
+            orders[2].touch(rec)
+
+    def _set_tier(self, rec: PageRec, tier: int) -> None:
+        bit = BIT[tier]
+        if rec.tiers & bit:
+            return
+        rec.tiers |= bit
+        self._count[tier] += 1
+        self._used[tier] += self._tier_bytes(rec, tier)
+        self._orders[tier].add(rec)
+        if rec.parent is not None:
+            parent = self._pages.get(rec.parent)
+            if parent is not None:
+                parent.resident_children[tier] += 1
+
+    def _clear_tier(self, rec: PageRec, tier: int) -> None:
+        bit = BIT[tier]
+        if not rec.tiers & bit:
+            return
+        rec.tiers &= ~bit
+        self._count[tier] -= 1
+        self._used[tier] -= self._tier_bytes(rec, tier)
+        self._orders[tier].remove(rec)
+        if rec.leaving & bit:
+            rec.leaving &= ~bit  # the parent's count went when the demotion began
+            self._leaving[tier] -= self._tier_bytes(rec, tier)
+        elif rec.parent is not None:
+            parent = self._pages.get(rec.parent)
+            if parent is not None and parent.resident_children[tier] > 0:
+                parent.resident_children[tier] -= 1
+        if tier == HBM and rec.hbm_slot >= 0:
+            self._hbm.free(rec.hbm_slot)
+            rec.hbm_slot = -1
+        elif tier == DRAM and rec.dram_slot >= 0:
+            self._dram.free(rec.dram_slot)
+            rec.dram_slot = -1
+
+    def _leave(self, rec: PageRec, tier: int) -> None:
+        """A demotion out of ``tier`` began: the parent may go in the same batch."""
+        bit = BIT[tier]
+        if rec.leaving & bit or not rec.tiers & bit:
+            return
+        rec.leaving |= bit
+        self._leaving[tier] += self._tier_bytes(rec, tier)
+        if rec.parent is not None:
+            parent = self._pages.get(rec.parent)
+            if parent is not None and parent.resident_children[tier] > 0:
+                parent.resident_children[tier] -= 1
+
+    def _stay(self, rec: PageRec, tier: int) -> None:
+        """A demotion out of ``tier`` did not happen: the page counts as resident again."""
+        bit = BIT[tier]
+        if not rec.leaving & bit:
+            return
+        rec.leaving &= ~bit
+        self._leaving[tier] -= self._tier_bytes(rec, tier)
+        if rec.parent is not None:
+            parent = self._pages.get(rec.parent)
+            if parent is not None:
+                parent.resident_children[tier] += 1
+
+    def _tier_bytes(self, rec: PageRec, tier: int) -> int:
+        if tier == NVME or (tier == HBM and not self._owned_hbm):
+            return rec.nbytes
+        return self._slot_bytes
+
+    def _forget_if_gone(self, rec: PageRec) -> None:
+        gone = rec.tiers == 0 and rec.pins == 0 and not rec.waiters
+        if gone and self._pages.get(rec.key) is rec:
+            del self._pages[rec.key]
+
+    # -- internals: placement and eviction --------------------------------------
+
+    def _place_new(self, rec: PageRec, seen: int) -> tuple[int | None, str]:
+        """Where a newly offered page goes; allocates its slot. (tier, reason)."""
+        admit = self._admission.admit
+        tau = self._tau.tau
+        if self._owned_hbm:
+            ok, _ = admit(rec, HBM, seen, tau[HBM])
+            if ok:
+                slot = self._alloc(HBM)
+                if slot is not None:
+                    rec.hbm_slot = slot
+                    self._bump("admission:hbm:admitted")
+                    return HBM, "admitted"
+        ok_dram, _ = admit(rec, DRAM, seen, tau[DRAM])
+        if not ok_dram and self.config.hbm == "engine":
+            # The engine holds it in HBM; DRAM stages it for NVMe if NVMe wants it.
+            ok_dram = self._nvme_enabled and admit(rec, NVME, seen, tau[NVME])[0]
+        if not ok_dram:
+            self._bump("admission:dram:below_tau")
+            return None, "declined: value density below tau"
+        slot = self._alloc(DRAM)
+        if slot is None:
+            self._bump("admission:dram:full")
+            return None, "declined: DRAM full (every page pinned or in flight)"
+        rec.dram_slot = slot
+        self._bump("admission:dram:admitted")
+        return DRAM, "admitted"
+
+    def _alloc(self, tier: int) -> int | None:
+        arena = self._hbm if tier == HBM else self._dram
+        slot: int | None = arena.alloc()
+        if slot is None:
+            self._evict_now(tier)
+            slot = arena.alloc()
+        return slot
+
+    def _eligible(self, tier: int, force: bool) -> Callable[[PageRec], bool]:
+        now = self._now()
+        hysteresis = self.config.hysteresis_s
+
+        def eligible(rec: PageRec) -> bool:
+            if rec.pins or rec.waiters or rec.resident_children[tier]:
+                return False
+            if rec.state is not PageState.READY:
+                return False
+            return force or now - rec.promoted_at_s >= hysteresis
+
+        return eligible
+
+    def _evict_now(self, tier: int) -> None:
+        """A slot is wanted at once: free a batch of pages that can go without a copy
+        (HBM/DRAM pages with a copy below, or not worth keeping); demote the rest in
+        the background."""
+        arena = self._hbm if tier == HBM else self._dram
+        self._evict_to(tier, None, force=False, batch=max(1, min(8, arena.slots // 16)))
+
+    def _evict_to(self, tier: int, low: float | None, *, force: bool, batch: int = _BATCH) -> int:
+        """Evict from ``tier`` down to ``low`` x capacity (None: one batch)."""
+        capacity = self._capacity[tier]
+        if not capacity:
+            return 0
+        want = batch
+        if low is not None:
+            excess = self._used[tier] - self._leaving[tier] - low * capacity
+            unit = self._slot_bytes
+            want = min(batch, max(0, math.ceil(excess / unit)))
+        if want <= 0:
+            return 0
+        now = self._now()
+        order = self._orders[tier]
+        done = 0
+        for _ in range(4):  # a chain frees its tail first: a few rounds per batch
+            victims = order.victims(want - done, self._eligible(tier, force), want * 8 + 64)
+            if not victims and not force and done == 0:
+                victims = order.victims(want, self._eligible(tier, True), want * 8 + 64)
+                if victims:
+                    self._bump("hysteresis_overridden", len(victims))
+            if not victims:
+                break
+            for rec in victims:
+                if tier == NVME:
+                    self._evict_nvme(rec)
+                elif tier == DRAM:
+                    self._evict_dram(rec, now)
+                else:
+                    self._evict_hbm(rec, now)
+            done += len(victims)
+            if done >= want:
+                break
+        return done
+
+    def _evict_hbm(self, rec: PageRec, now: float) -> None:
+        ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])[0]
+        self._tau.on_evict(HBM, self._value_density(rec, HBM))
+        if rec.in_tier(DRAM) or rec.in_tier(NVME):
+            self._clear_tier(rec, HBM)
+            self._bump("evict:hbm:clean")
+            return
+        if not ok:
+            self._clear_tier(rec, HBM)
+            self._bump("evict:hbm:dropped")
+            self._dropped(rec)
+            return
+        slot = self._alloc(DRAM)
+        if slot is None:
+            # DRAM is busy writing back: the page waits in HBM for the next cycle.
+            self._bump("evict:hbm:blocked")
+            return
+        rec.dram_slot = slot
+        rec.state = PageState.EVICTING
+        rec.demoted_at_s = now
+        self._leave(rec, HBM)
+        ticket = self._mover.copy(
+            Path.D2H,
+            [(self._hbm.view(rec.hbm_slot, rec.nbytes), self._dram.view(slot, rec.nbytes))]
+            if not self._fake
+            else [],
+            priority=Priority.WRITEBACK,
+            tag=("demote", [rec]),
+            **({"nbytes": rec.nbytes} if self._fake else {}),
+        )
+        del ticket
+        self._bump("demotions")
+
+    def _evict_dram(self, rec: PageRec, now: float) -> None:
+        self._tau.on_evict(DRAM, self._value_density(rec, DRAM))
+        if rec.in_tier(NVME) or rec.in_tier(HBM):
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:clean")
+            return
+        if not self._nvme_enabled:
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:dropped")
+            self._dropped(rec)
+            return
+        if self._emergency and not rec.retained:
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:emergency")
+            self._bump("emergency_evictions")
+            self._dropped(rec)
+            return
+        seen = self._reuse.seen(rec.key)
+        ok = self._admission.admit(rec, NVME, seen, self._tau.tau[NVME])[0]
+        if not ok:
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:dropped")
+            self._bump("admission:nvme:below_tau")
+            self._dropped(rec)
+            return
+        self._bump("admission:nvme:admitted")
+        rec.demoted_at_s = now
+        self._write_back([rec], demote=True)
+
+    def _evict_nvme(self, rec: PageRec) -> None:
+        self._tau.on_evict(NVME, self._value_density(rec, NVME))
+        self._clear_tier(rec, NVME)
+        if self._store is not None:
+            with contextlib.suppress(KVStoreError):
+                if rec.retained:
+                    self._store.release(rec.key)
+                self._store.delete(rec.key)
+        self._bump("evict:nvme:deleted")
+        if not rec.tiers:
+            self._dropped(rec)
+
+    def _dropped(self, rec: PageRec) -> None:
+        self._forget_if_gone(rec)
+
+    def _write_back(self, recs: list[PageRec], *, demote: bool) -> None:
+        """DRAM -> NVMe for pages in DRAM; with ``demote`` the DRAM slot goes after."""
+        nvme_need = sum(r.nbytes for r in recs)
+        if self._used[NVME] + nvme_need > self._capacity[NVME]:
+            self._evict_to(NVME, None, force=True, batch=max(8, len(recs)))
+        items = []
+        sizes = []
+        for rec in recs:
+            rec.state = PageState.EVICTING
+            if demote:
+                self._leave(rec, DRAM)
+            meta = {
+                META_TAG: 1,
+                "parent": rec.parent.hex() if rec.parent is not None else None,
+                "depth": rec.depth,
+                "tokens": rec.tokens,
+            }
+            view = None if self._fake else self._dram.view(rec.dram_slot, rec.nbytes)
+            items.append((rec.key, view, meta))
+            sizes.append(rec.nbytes)
+        kwargs: dict[str, Any] = {"sizes": sizes} if self._fake else {}
+        self._mover.nvme_write(
+            self._store,
+            items,
+            priority=Priority.WRITEBACK,
+            tag=("write", recs, demote),
+            **kwargs,
+        )
+
+    def _check_emergency(self) -> None:
+        in_flight = self._mover.in_flight_bytes(Path.NVME_WRITE)
+        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
+        was = self._emergency
+        self._emergency = in_flight > limit
+        if self._emergency and not was:
+            self._bump("emergency:entered")
+            # Free clean DRAM in bulk: pages that already have their NVMe copy.
+            for rec in list(self._orders[DRAM]):
+                if self._used[DRAM] <= self.config.watermark_low * self._capacity[DRAM]:
+                    break
+                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is PageState.READY:
+                    self._clear_tier(rec, DRAM)
+                    self._bump("emergency_evictions")
+
+    def _ramp_drop(self) -> bool:
+        """In an emergency, decline a rising share of new offers (1 in 2, then more)."""
+        self._emergency_offers += 1
+        in_flight = self._mover.in_flight_bytes(Path.NVME_WRITE)
+        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
+        over = min(in_flight / limit - 1.0, 1.0) if limit else 1.0
+        keep_every = max(1, int(1 / max(1.0 - over, 1e-3)))
+        return self._emergency_offers % keep_every != 0 or over >= 1.0
+
+    def _write_over_budget(self, now: float) -> float:
+        if self.config.max_dwpd is None or not self._capacity[NVME]:
+            return 0.0
+        window = self._write_window
+        while window and now - window[0][0] > 60.0:
+            window.popleft()
+        written = sum(n for _, n in window)
+        span = max(now - window[0][0], 1.0) if window else 1.0
+        budget = self.config.max_dwpd * self._capacity[NVME] / 86400.0
+        return (written / span) / budget if budget > 0 else 0.0
+
+    # -- internals: reads, copies, completions --------------------------------------
+
+    def _readable_source(self, rec: PageRec) -> tuple[Path, Any] | None:
+        """(path, source view) when the page can be copied to a destination now."""
+        if rec.state is PageState.READY or rec.state is PageState.EVICTING:
+            if rec.in_tier(HBM) and rec.hbm_slot >= 0:
+                return Path.D2D, self._hbm.view(rec.hbm_slot, rec.nbytes)
+            if rec.in_tier(DRAM) and rec.dram_slot >= 0:
+                return Path.H2D, self._dram.view(rec.dram_slot, rec.nbytes)
+        return None
+
+    def _wait_estimate(self, rec: PageRec) -> float:
+        if rec.state is PageState.LOADING:
+            return self._bandwidth["nvme_read"].seconds(rec.nbytes) * 0.5
+        if rec.state is PageState.WRITING:
+            return self._bandwidth["d2h"].seconds(rec.nbytes) * 0.5
+        return 0.0
+
+    def _fetch(self, recs: list[PageRec], priority: Priority, *, promote: bool) -> int:
+        """NVMe -> DRAM reads for READY NVMe-only pages with a DRAM slot to land in."""
+        batch: list[PageRec] = []
+        now = self._now()
+        for rec in recs:
+            if rec.state is not PageState.READY or not rec.in_tier(NVME) or rec.in_tier(DRAM):
+                continue
+            slot = self._alloc(DRAM)
+            if slot is None:
+                break
+            rec.dram_slot = slot
+            rec.state = PageState.LOADING
+            recently = now - rec.demoted_at_s < self.config.hysteresis_s
+            if recently:
+                self._bump("hysteresis")
+            batch.append(rec)
+        if not batch:
+            return 0
+        keys = [r.key for r in batch]
+        if self._fake:
+            self._mover.nvme_read(
+                None,
+                keys,
+                (),
+                priority=priority,
+                tag=("read", batch, promote),
+                sizes=[r.nbytes for r in batch],
+            )
+        else:
+            views = [self._dram.view(r.dram_slot, r.nbytes) for r in batch]
+            self._mover.nvme_read(
+                self._store, keys, views, priority=priority, tag=("read", batch, promote)
+            )
+        return len(batch)
+
+    def _add_waiter(
+        self, rec: PageRec, handle: LoadHandle, index: int, dst: Any, wait_event: Any
+    ) -> None:
+        if rec.waiters is None:
+            rec.waiters = []
+        rec.waiters.append(_Waiter(handle, index, dst, wait_event))
+
+    def _fire_waiters(self, rec: PageRec, *, ok: bool) -> None:
+        waiters, rec.waiters = rec.waiters, None
+        if not waiters:
+            return
+        for waiter in waiters:
+            assert isinstance(waiter, _Waiter)
+            handle, index, dst, wait_event = waiter
+            source = self._readable_source(rec) if ok else None
+            if source is None:
+                handle.settle(index, 0)
+                self._unpin_load(handle, index)
+                self._bump("load_failures")
+                continue
+            path, view = source
+            self._copy_to_destination(handle, path, [(index, view, dst)], wait_event)
+
+    def _copy_to_destination(
+        self,
+        handle: LoadHandle,
+        path: Path,
+        items: list[tuple[int, Any, Any]],
+        wait_event: Any,
+    ) -> None:
+        if self._fake:
+            nbytes = sum(handle.records[i].nbytes for i, _, _ in items)
+            self._mover.copy(
+                path,
+                [],
+                priority=Priority.DEMAND,
+                tag=("load", handle, items),
+                nbytes=nbytes,
+            )
+            return
+        pairs = [(src, dst[: src.numel()]) for _, src, dst in items]
+        ticket = self._mover.copy(
+            path,
+            pairs,
+            priority=Priority.DEMAND,
+            tag=("load", handle, items),
+            wait_event=wait_event,
+        )
+        if ticket.event is not None:
+            handle.event = ticket.event
+
+    def _submit_offer_copy(
+        self, path: Path, items: list[tuple[PageRec, Any, Any, int]], event: Any
+    ) -> Ticket:
+        pairs = []
+        recs = []
+        nbytes = 0
+        for rec, src, _, tier in reversed(items):  # the chain's tail enters oldest
+            rec.state = PageState.WRITING
+            self._set_tier(rec, tier)
+            recs.append((rec, tier))
+            nbytes += rec.nbytes
+            if not self._fake:
+                arena = self._hbm if tier == HBM else self._dram
+                slot = rec.hbm_slot if tier == HBM else rec.dram_slot
+                pairs.append((src, arena.view(slot, rec.nbytes)))
+        if self._fake:
+            return self._mover.copy(
+                path,
+                [],
+                priority=Priority.WRITEBACK,
+                tag=("offer", recs),
+                nbytes=nbytes,
+            )
+        return self._mover.copy(
+            path, pairs, priority=Priority.WRITEBACK, tag=("offer", recs), wait_event=event
+        )
+
+    def _release_handle(self, tickets: list[Ticket]) -> ReleaseHandle:
+        event = tickets[-1].event if tickets else None
+        return ReleaseHandle(lambda: all(t.done() for t in tickets), self._pump, event)
+
+    def _harvest(self) -> None:
+        """Process completed tickets (R6: before any eviction decision)."""
+        for ticket in self._mover.poll():
+            tag = ticket.tag
+            if not isinstance(tag, tuple):
+                continue
+            kind = tag[0]
+            seconds = ticket.seconds()
+            if seconds is not None and ticket.error is None and ticket.nbytes > 0:
+                self._bandwidth[ticket.path.value].observe(ticket.nbytes, seconds)
+                self._observe_latency(ticket.path, seconds)
+            if kind == "offer":
+                self._offer_done(ticket, tag[1])
+            elif kind == "demote":
+                self._demote_done(ticket, tag[1])
+            elif kind == "write":
+                self._write_done(ticket, tag[1], tag[2])
+            elif kind == "read":
+                self._read_done(ticket, tag[1], tag[2])
+            elif kind == "load":
+                self._load_done(ticket, tag[1], tag[2])
+
+    def _observe_latency(self, path: Path, seconds: float) -> None:
+        pair = _LAYERS.get(path)
+        if pair is None:
+            return
+        key = f"{pair[0]}->{pair[1]}"
+        row = self._latency.get(key)
+        if row is None:
+            row = self._latency[key] = [0.0] * (len(OFFLOAD_BUCKETS_S) + 2)
+        for i, bound in enumerate(OFFLOAD_BUCKETS_S):
+            if seconds <= bound:
+                row[i] += 1
+        row[-2] += seconds
+        row[-1] += 1
+
+    def _offer_done(self, ticket: Ticket, recs: list[tuple[PageRec, int]]) -> None:
+        write_through = []
+        for rec, tier in recs:
+            if rec.state is not PageState.WRITING:
+                continue
+            if ticket.error is not None:
+                rec.state = PageState.READY
+                self._clear_tier(rec, tier)
+                self._bump("offer_failures")
+                self._forget_if_gone(rec)
+                continue
+            rec.state = PageState.READY
+            through = self.config.placement == "write_through" or rec.retained
+            if self._nvme_enabled and tier == DRAM and through and self._admits_nvme(rec):
+                write_through.append(rec)
+            if rec.waiters:
+                self._fire_waiters(rec, ok=True)
+        if write_through:
+            self._write_back(write_through, demote=False)
+
+    def _admits_nvme(self, rec: PageRec) -> bool:
+        return self._admission.admit(rec, NVME, self._reuse.seen(rec.key), self._tau.tau[NVME])[0]
+
+    def _demote_done(self, ticket: Ticket, recs: list[PageRec]) -> None:
+        for rec in recs:
+            if ticket.error is not None:
+                self._dram.free(rec.dram_slot)
+                rec.dram_slot = -1
+                rec.state = PageState.READY
+                self._stay(rec, HBM)
+                continue
+            rec.state = PageState.READY
+            self._set_tier(rec, DRAM)
+            if rec.pins == 0 and not rec.waiters:
+                self._clear_tier(rec, HBM)
+            else:
+                self._stay(rec, HBM)  # a load still reading the HBM slot keeps it
+            if rec.waiters:
+                self._fire_waiters(rec, ok=True)
+
+    def _write_done(self, ticket: Ticket, recs: list[PageRec], demote: bool) -> None:
+        results = ticket.results
+        now = self._now()
+        for index, rec in enumerate(recs):
+            stored = ticket.error is None and results is not None and results[index]
+            rec.state = PageState.READY
+            if stored:
+                self._nvme_written[0] += 1
+                self._nvme_written[1] += rec.nbytes
+                self._write_window.append((now, rec.nbytes))
+                self._set_tier(rec, NVME)
+                if rec.retained and self._store is not None:
+                    with contextlib.suppress(KVStoreError):
+                        self._store.retain(rec.key)
+            else:
+                self._bump("write_failures")
+            if demote and rec.pins == 0 and not rec.waiters and rec.in_tier(DRAM):
+                self._clear_tier(rec, DRAM)
+                if not stored:
+                    self._bump("evict:dram:write_failed")
+                    self._forget_if_gone(rec)
+            elif demote:
+                self._stay(rec, DRAM)
+            if rec.waiters:
+                self._fire_waiters(rec, ok=True)
+
+    def _read_done(self, ticket: Ticket, recs: list[PageRec], promote: bool) -> None:
+        results = ticket.results
+        now = self._now()
+        exclusive = self.config.placement == "exclusive"
+        for index, rec in enumerate(recs):
+            got = None if ticket.error is not None or results is None else results[index]
+            if rec.state is not PageState.LOADING:
+                continue
+            rec.state = PageState.READY
+            if not got or got != rec.nbytes:
+                # Missing or failed on NVMe: the page is gone there, never served.
+                self._dram.free(rec.dram_slot)
+                rec.dram_slot = -1
+                self._clear_tier(rec, NVME)
+                self._bump("load_failures" if not rec.waiters else "read_failures")
+                self._fire_waiters(rec, ok=False)
+                self._forget_if_gone(rec)
+                continue
+            self._set_tier(rec, DRAM)
+            recently = now - rec.demoted_at_s < self.config.hysteresis_s
+            if recently and rec.demoted_at_s > 0:
+                self._bump("thrash")
+            rec.promoted_at_s = now
+            self._bump("promotions")
+            if exclusive and self._store is not None and not rec.retained:
+                self._clear_tier(rec, NVME)
+                with contextlib.suppress(KVStoreError):
+                    self._store.delete(rec.key)
+            elif exclusive and self._fake:
+                self._clear_tier(rec, NVME)
+            if rec.waiters:
+                self._fire_waiters(rec, ok=True)
+        self._warm_in_flight = max(0, self._warm_in_flight - len(recs))
+
+    def _load_done(
+        self, ticket: Ticket, handle: LoadHandle, items: list[tuple[int, Any, Any]]
+    ) -> None:
+        for index, _, _ in items:
+            rec = handle.records[index]
+            ok = ticket.error is None and rec is not None
+            handle.settle(index, rec.nbytes if ok and rec is not None else 0)
+            self._unpin_load(handle, index)  # R4: the source slot is free to go now
+            if not ok:
+                self._bump("load_failures")
+        if handle.done() and handle not in self._loads:
+            return
+
+    # -- internals: restart ------------------------------------------------------------
+
+    def _rebuild_from_nvme(self) -> None:
+        """The prefix forest from the NVMe pages' parent links."""
+        store = self._store
+        now = self._now()
+        tpp = self.config.tokens_per_page
+        found: list[PageRec] = []
+        for key in store.keys():  # noqa: SIM118 (KVStore is not a Mapping)
+            info = store.info(key)
+            if info is None:
+                continue
+            meta = info.meta
+            if meta.get(META_TAG) != 1:
+                continue
+            parent_hex = meta.get("parent")
+            parent = bytes.fromhex(parent_hex) if isinstance(parent_hex, str) else None
+            depth = meta.get("depth")
+            tokens = meta.get("tokens")
+            rec = PageRec(
+                key,
+                parent,
+                depth if isinstance(depth, int) else 0,
+                tokens if isinstance(tokens, int) else tpp,
+                info.payload_bytes,
+                now,
+            )
+            rec.retained = store.is_retained(key)
+            self._pages[key] = rec
+            found.append(rec)
+        for rec in found:
+            self._set_tier(rec, NVME)
+        self._bump("restart:pages_rebuilt", len(found))
+
+    def _load_stats(self) -> None:
+        path = self._stats_path
+        if path is None or not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") != STATS_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {STATS_VERSION}")
+            self._reuse.load_json(data["reuse"])
+            self._tau.load_json(data["tau"])
+            for name, fit in data["bandwidth"].items():
+                if name in self._bandwidth:
+                    bw = self._bandwidth[name]
+                    bw.rate = float(fit["bytes_per_s"])
+                    bw.latency_s = float(fit["latency_s"])
+            self._compute.flops_per_s = float(data["compute_flops"])
+            now = self._now()
+            heat = []
+            for hex_key, hits, age_s in data["heat"]:
+                rec = self._pages.get(bytes.fromhex(hex_key))
+                if rec is None:
+                    continue
+                rec.hits = float(hits)
+                rec.last_access_s = now - float(age_s)
+                rec.reused = rec.hits >= 1
+                for tier in range(3):
+                    if rec.in_tier(tier):
+                        self._orders[tier].touch(rec)
+                heat.append(rec)
+            if self.config.warm_dram_on_open:
+                heat.sort(key=lambda r: -r.hits)
+                self._warm.extend(r.key for r in heat)
+            self._bump("restart:stats_loaded")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # Statistics are a cache: a damaged file costs warm-up, never the open.
+            self._bump("restart:stats_unreadable")
+            self._stats_error = f"{path}: {e}"
+
+    def _stats_snapshot(self) -> dict[str, Any]:
+        now = self._now()
+        hottest = sorted(self._pages.values(), key=lambda r: -r.hits)[:_HEAT_PAGES]
+        return {
+            "version": STATS_VERSION,
+            "saved_at_unix_s": time.time(),
+            "reuse": self._reuse.to_json(),
+            "tau": self._tau.to_json(),
+            "bandwidth": {p: b.to_json() for p, b in self._bandwidth.items()},
+            "compute_flops": self._compute.flops_per_s,
+            "heat": [[r.key.hex(), r.hits, max(now - r.last_access_s, 0.0)] for r in hottest],
+            "summary": {
+                "pages_by_tier": list(self._count),
+                "used_bytes": list(self._used),
+                "capacity_bytes": list(self._capacity),
+                "hits_by_tier": list(self._hits),
+                "misses": self._misses,
+                "lookups": self._lookups,
+                "nvme_pages_written": self._nvme_written[0],
+                "nvme_bytes_written": self._nvme_written[1],
+                "counters": dict(self._counters),
+                "kappa": [self.cost.kappa(t, self.config.page_bytes) for t in range(3)],
+            },
+        }
+
+    def _write_stats(self, snapshot: dict[str, Any]) -> None:
+        """Atomically: a temporary file, fsync, rename, fsync the directory."""
+        path = self._stats_path
+        if path is None:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._bump("stats:save_failures")
+            self._stats_error = f"{path}: {e}"
+
+    def _retry_fetches(self) -> None:
+        """Demand reads that found DRAM full: start them as slots come free."""
+        queue = self._fetch_queue
+        while queue:
+            rec = queue[0]
+            if rec.state is not PageState.READY or not rec.waiters or not rec.in_tier(NVME):
+                queue.popleft()
+                if rec.waiters and rec.state is PageState.READY:
+                    self._fire_waiters(rec, ok=rec.in_tier(DRAM) or rec.in_tier(HBM))
+                continue
+            if not self._fetch([rec], Priority.DEMAND, promote=True):
+                return
+            queue.popleft()
+
+    def _warm_step(self) -> None:
+        """Refill DRAM from NVMe, hottest first, while DRAM is below its low mark."""
+        if not self._warm or self._warm_in_flight >= 2 * _WARM_BATCH:
+            return
+        room = self.config.watermark_low * self._capacity[DRAM] - self._used[DRAM]
+        batch: list[PageRec] = []
+        while self._warm and room > self._slot_bytes and len(batch) < _WARM_BATCH:
+            rec = self._pages.get(self._warm.popleft())
+            if rec is None or rec.top_tier() != NVME or rec.state is not PageState.READY:
+                continue
+            batch.append(rec)
+            room -= self._slot_bytes
+        if batch:
+            started = self._fetch(batch, Priority.BACKGROUND, promote=True)
+            self._warm_in_flight += started
+            self._bump("restart:warmed", started)
+
+    def _probe(self) -> None:
+        """Seed the copy paths' bandwidth with one short measured copy each."""
+        try:
+            import torch
+
+            size = min(self._slot_bytes, 4 << 20)
+            host = torch.empty(size, dtype=torch.uint8)
+            other = torch.empty(size, dtype=torch.uint8)
+            paths = [("h2h", host, other)]
+            if self.config.device.startswith("cuda"):
+                dev = torch.empty(size, dtype=torch.uint8, device=self.config.device)
+                paths = [("h2d", host, dev), ("d2h", dev, host)]
+            else:
+                paths = [("h2d", host, other), ("d2h", other, host), ("d2d", host, other)]
+            for name, src, dst in paths:
+                dst.copy_(src)
+                start = time.perf_counter()
+                for _ in range(4):
+                    dst.copy_(src)
+                if self.config.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                seconds = (time.perf_counter() - start) / 4
+                if name not in self.config.bandwidth_bytes_per_s and seconds > 0:
+                    self._bandwidth[name].rate = size / seconds
+        except Exception as e:  # a probe is a seed: a failure keeps the defaults
+            self._bump("probe:failures")
+            self._stats_error = f"probe: {e}"
+
+
+class _Waiter(NamedTuple):
+    """A load waiting for its page to land in DRAM (an NVMe read, an offer's copy)."""
+
+    handle: LoadHandle
+    position: int  # in the handle's plan
+    dst: Any
+    wait_event: Any
+
+
+_LAYERS = {
+    Path.D2H: ("0", "1"),
+    Path.H2D: ("1", "0"),
+    Path.D2D: ("0", "0"),
+    Path.NVME_WRITE: ("1", "2"),
+    Path.NVME_READ: ("2", "1"),
+}
+
+
+def _byte_view(tensor: Any, what: str) -> Any:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, not {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; pass tensor.contiguous()")
+    return tensor.reshape(-1).view(torch.uint8)

@@ -1,0 +1,131 @@
+"""``PageRec`` and the prefix forest: which page is where, and whose child it is.
+
+A page is keyed by the engine's chained block hash (bytes; an int key is stored as
+``b"int:<decimal>"``). ``parent`` links make the prefix forest without storing
+tokens: a prefix hit walks keys in order and stops at the first page resident in no
+tier, so a page whose parent is gone is an orphan and is never admitted. The
+parent link is also written into the NVMe page's meta so the forest is rebuilt on
+open.
+
+Invariants (kept by the manager, under its lock):
+- ``tiers`` has bit ``1 << t`` set exactly while tier t holds a copy (or one is being
+  written there, state WRITING).
+- ``resident_children[t]`` counts this page's children with tier t set and not
+  leaving it (``leaving``: a demotion out of t in flight): a page with a resident
+  child in a tier is not that tier's victim (leaves first), and a chain drains
+  from its tail one batch at a time, not one write completion at a time.
+- a page with ``pins > 0`` or a state other than READY is never a victim.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["DRAM", "HBM", "NVME", "TIER_NAMES", "PageRec", "PageState", "Tier", "page_key"]
+
+
+class Tier(enum.IntEnum):
+    HBM = 0
+    DRAM = 1
+    NVME = 2
+
+
+HBM, DRAM, NVME = Tier.HBM, Tier.DRAM, Tier.NVME
+TIER_NAMES = ("hbm", "dram", "nvme")
+BIT = (1, 2, 4)
+
+
+class PageState(enum.IntEnum):
+    READY = 0
+    WRITING = 1  # its bytes are being copied into a tier (offer, or a demotion)
+    LOADING = 2  # an NVMe read into a DRAM slot is in flight
+    EVICTING = 3  # leaving a tier: its source slot stays valid until the copy lands
+
+
+def page_key(key: object) -> bytes:
+    """The engine's key as bytes (the form the NVMe store keeps)."""
+    if type(key) is bytes:
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return b"int:%d" % key
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key)
+    if isinstance(key, str):
+        return key.encode()
+    raise TypeError(f"page keys are bytes, str or int, got {type(key).__name__}")
+
+
+class PageRec:
+    """One page's record. Slotted: the forest holds one per cached block."""
+
+    __slots__ = (
+        "deadline_s",
+        "demoted_at_s",
+        "depth",
+        "dram_slot",
+        "hbm_slot",
+        "heap_version",
+        "hits",
+        "key",
+        "last_access_s",
+        "leaving",
+        "nbytes",
+        "parent",
+        "pins",
+        "promoted_at_s",
+        "resident_children",
+        "retained",
+        "reused",
+        "state",
+        "tag",
+        "tiers",
+        "tokens",
+        "waiters",
+    )
+
+    def __init__(
+        self, key: bytes, parent: bytes | None, depth: int, tokens: int, nbytes: int, now_s: float
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = depth
+        self.tokens = tokens
+        self.nbytes = nbytes
+        self.tiers = 0
+        self.dram_slot = -1
+        self.hbm_slot = -1
+        self.pins = 0
+        self.state = PageState.READY
+        self.last_access_s = now_s
+        self.hits = 0.0
+        self.demoted_at_s = -1e18
+        self.promoted_at_s = -1e18
+        self.resident_children = [0, 0, 0]
+        self.leaving = 0  # tier bits this page is being demoted out of
+        self.retained = False
+        self.reused = False
+        self.deadline_s: float | None = None
+        self.tag = ""
+        self.heap_version = 0
+        self.waiters: list[object] | None = None
+
+    def in_tier(self, tier: int) -> bool:
+        return bool(self.tiers & BIT[tier])
+
+    def top_tier(self) -> int:
+        """The fastest tier holding the page; -1 when none."""
+        tiers = self.tiers
+        if tiers & 1:
+            return 0
+        if tiers & 2:
+            return 1
+        if tiers & 4:
+            return 2
+        return -1
+
+    def __repr__(self) -> str:
+        where = "+".join(TIER_NAMES[t] for t in range(3) if self.tiers & BIT[t]) or "none"
+        return (
+            f"PageRec({self.key!r}, depth={self.depth}, {where}, {self.state.name}, "
+            f"pins={self.pins}, hits={self.hits:.2f})"
+        )

@@ -1,0 +1,415 @@
+"""Admission (value density, the anchors' modes), reuse estimates, τ, eviction orders.
+
+- ``ReuseEstimator``: a bounded history of recently seen keys (the ghost map). A key
+  seen again while still in it counts a reuse for the class it was recorded under;
+  one that falls out unseen counts a non-reuse. p per class is the Beta-smoothed,
+  slowly decaying ratio. Classes: (depth bucket, reused yet, engine tag).
+- ``Admission``: seed 001's VD = (p·T_recompute − T_{tier→HBM}) / bytes against τ per
+  tier, or the anchors' frequency modes (``all``, ``freq2``, ``store_threshold:N``).
+- ``TauController``: τ_h tracks the value density of what tier h has been evicting
+  (admitting below it would displace something worth more), scaled up while the tier
+  is above its warn watermark and, for NVMe, while writes run over the DWPD budget;
+  it relaxes back to ``tau_initial`` when the pressure goes.
+- Eviction orders, one per tier, pluggable: ``LRUOrder`` (O(1)), ``PhiOrder`` (seed
+  000's Φ in a lazy heap, O(log n)), ``ARCOrder``. ``victims`` returns up to n pages
+  the caller's predicate accepts, lowest first; the caller ``remove``s each one when
+  it actually leaves the tier (a demotion in flight keeps its place until it lands).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from kvstore.tiering.pages import NVME, PageRec
+
+__all__ = [
+    "ARCOrder",
+    "Admission",
+    "EvictionOrder",
+    "LRUOrder",
+    "PhiOrder",
+    "ReuseEstimator",
+    "TauController",
+    "make_order",
+]
+
+_COUNT_DECAY = 0.9995  # per event: class statistics follow a workload over ~2,000 events
+_DEPTH_BUCKETS = 8
+
+
+def depth_bucket(depth: int) -> int:
+    """0, 1, 2-3, 4-7, ... capped: reuse falls with depth in every trace we have."""
+    return min(depth.bit_length(), _DEPTH_BUCKETS - 1)
+
+
+class ReuseEstimator:
+    """p(reuse) per class from a bounded map of recently seen keys."""
+
+    __slots__ = ("_classes", "_history", "_limit", "_prior")
+
+    def __init__(self, entries: int, prior: tuple[float, float]) -> None:
+        self._limit = entries
+        self._prior = prior
+        # key -> [access count, class, pending trial, looked up since last offer]
+        self._history: OrderedDict[bytes, list[object]] = OrderedDict()
+        self._classes: dict[tuple[int, bool, str], list[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def access(self, key: bytes, depth: int, tag: str, *, lookup: bool) -> int:
+        """Count one access of ``key``; returns how often it has been seen (horizon:
+        the map's size). A lookup marks the entry so the offer that follows it in
+        the same request is not counted twice."""
+        history = self._history
+        entry = history.get(key)
+        if entry is None:
+            history[key] = [1, (depth_bucket(depth), False, tag), True, lookup]
+            if len(history) > self._limit:
+                _, old = history.popitem(last=False)
+                if old[2]:
+                    self._count(old[1], reused=False)  # type: ignore[arg-type]
+            return 1
+        history.move_to_end(key)
+        if not lookup and entry[3]:
+            entry[3] = False
+            return entry[0]  # type: ignore[return-value]
+        entry[3] = lookup
+        if entry[2]:
+            self._count(entry[1], reused=True)  # type: ignore[arg-type]
+        count: int = entry[0] + 1  # type: ignore[operator]
+        entry[0] = count
+        entry[1] = (depth_bucket(depth), True, tag)
+        entry[2] = True
+        return count
+
+    def seen(self, key: bytes) -> int:
+        entry = self._history.get(key)
+        return 0 if entry is None else entry[0]  # type: ignore[return-value]
+
+    def _count(self, cls: tuple[int, bool, str], *, reused: bool) -> None:
+        stats = self._classes.get(cls)
+        if stats is None:
+            stats = self._classes[cls] = [0.0, 0.0]
+        stats[0] *= _COUNT_DECAY
+        stats[1] *= _COUNT_DECAY
+        stats[0 if reused else 1] += 1.0
+
+    def p(self, depth: int, reused: bool, tag: str) -> float:
+        stats = self._classes.get((depth_bucket(depth), reused, tag))
+        a, b = self._prior
+        if stats is None:
+            return a / (a + b)
+        return (stats[0] + a) / (stats[0] + stats[1] + a + b)
+
+    def to_json(self) -> list[list[object]]:
+        return [[c[0], c[1], c[2], s[0], s[1]] for c, s in self._classes.items()]
+
+    def load_json(self, rows: list[list[object]]) -> None:
+        for depth, reused, tag, hits, misses in rows:
+            self._classes[(int(depth), bool(reused), str(tag))] = [  # type: ignore[call-overload]
+                float(hits),  # type: ignore[arg-type]
+                float(misses),  # type: ignore[arg-type]
+            ]
+
+
+class TauController:
+    """τ per tier: the admission bar in seconds saved per byte."""
+
+    __slots__ = ("_gain", "_victim_vd", "initial", "tau", "updated_s")
+
+    STEP = 0.1  # gain change per update
+    PERIOD_S = 1.0
+
+    def __init__(self, initial: float) -> None:
+        self.initial = initial
+        self.tau = [initial, initial, initial]
+        self._victim_vd = [0.0, 0.0, 0.0]
+        self._gain = [0.0, 0.0, 0.0]
+        self.updated_s = -math.inf
+
+    def on_evict(self, tier: int, vd: float) -> None:
+        """A victim of ``tier`` had value density ``vd`` when it went."""
+        self._victim_vd[tier] = 0.9 * self._victim_vd[tier] + 0.1 * vd
+
+    def update(
+        self,
+        now_s: float,
+        usage: tuple[float, float, float],
+        warn: float,
+        low: float,
+        write_over_budget: float,
+    ) -> bool:
+        """Once per PERIOD_S: tighten tiers above ``warn``, relax those below ``low``.
+        ``write_over_budget`` is NVMe write rate / budget (0 without a budget)."""
+        if now_s - self.updated_s < self.PERIOD_S:
+            return False
+        self.updated_s = now_s
+        for tier in range(3):
+            gain = self._gain[tier]
+            if usage[tier] >= warn:
+                gain += self.STEP
+            elif usage[tier] < low:
+                gain -= self.STEP
+            if tier == NVME and write_over_budget > 1.0:
+                gain += self.STEP * min(write_over_budget - 1.0, 10.0)
+            gain = min(max(gain, 0.0), 2.0 if tier == NVME else 1.0)
+            self._gain[tier] = gain
+            self.tau[tier] = self.initial + gain * max(self._victim_vd[tier], 0.0)
+        return True
+
+    def to_json(self) -> dict[str, list[float]]:
+        return {"tau": list(self.tau), "gain": list(self._gain), "victim_vd": self._victim_vd}
+
+    def load_json(self, data: dict[str, list[float]]) -> None:
+        self.tau = [float(v) for v in data["tau"]][:3]
+        self._gain = [float(v) for v in data["gain"]][:3]
+        self._victim_vd = [float(v) for v in data["victim_vd"]][:3]
+
+
+class Admission:
+    """Whether a page may enter a tier."""
+
+    __slots__ = ("_value_density", "mode", "threshold")
+
+    def __init__(
+        self,
+        mode: str,
+        threshold: int,
+        value_density: Callable[[PageRec, int], float],
+    ) -> None:
+        self.mode = mode
+        self.threshold = threshold
+        self._value_density = value_density
+
+    def admit(self, rec: PageRec, tier: int, seen: int, tau: float) -> tuple[bool, float]:
+        """(admitted, the page's value density for ``tier``). Retained pages always
+        enter; HBM always takes a page the engine just computed."""
+        vd = self._value_density(rec, tier)
+        if rec.retained or tier == 0:
+            return True, vd
+        mode = self.mode
+        if mode == "value_density":
+            return vd >= tau, vd
+        if mode == "all":
+            return True, vd
+        if mode == "freq2":
+            return (seen >= 2 if tier == NVME else True), vd
+        return seen >= self.threshold, vd  # store_threshold:N, both lower tiers
+
+
+class EvictionOrder(Protocol):
+    """The order in which one tier gives up its pages. ``victims`` only chooses:
+    the caller removes a victim (``remove``) when it actually leaves the tier."""
+
+    name: str
+
+    def __len__(self) -> int: ...
+    def add(self, rec: PageRec) -> None: ...
+    def touch(self, rec: PageRec) -> None: ...
+    def remove(self, rec: PageRec) -> None: ...
+    def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
+    def __iter__(self) -> Iterator[PageRec]: ...
+
+
+class LRUOrder:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._pages: OrderedDict[bytes, PageRec] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __iter__(self) -> Iterator[PageRec]:
+        return iter(list(self._pages.values()))
+
+    def add(self, rec: PageRec) -> None:
+        self._pages[rec.key] = rec
+        self._pages.move_to_end(rec.key)
+
+    def touch(self, rec: PageRec) -> None:
+        if rec.key in self._pages:
+            self._pages.move_to_end(rec.key)
+
+    def remove(self, rec: PageRec) -> None:
+        self._pages.pop(rec.key, None)
+
+    def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+        out: list[PageRec] = []
+        for rec in itertools.islice(self._pages.values(), scan):
+            if eligible(rec):
+                out.append(rec)
+                if len(out) >= n:
+                    break
+        return out
+
+
+class PhiOrder:
+    """Φ lowest first, in a lazy heap.
+
+    Φ_i = w1·Recency + w2·log1p(decayed hits) + w3·T_recompute/M_KV − w4·SLO_deficit
+    (seed 000). Recency is ``last_access_s / recency_scale_s``: a linear decay in
+    time, so Φ of an untouched page falls by the same amount for every page and the
+    heap's order stays valid between touches (each touch pushes a fresh entry; stale
+    ones are skipped when popped). Hits, cost and deficit are taken at the touch.
+    """
+
+    name = "phi"
+
+    def __init__(
+        self,
+        weights: tuple[float, float, float, float],
+        recency_scale_s: float,
+        cost_ratio: Callable[[PageRec], float],
+    ) -> None:
+        self._w = weights
+        self._scale = recency_scale_s
+        self._cost_ratio = cost_ratio
+        self._heap: list[tuple[float, int, PageRec]] = []
+        self._member: dict[bytes, int] = {}
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._member)
+
+    def __iter__(self) -> Iterator[PageRec]:
+        live = [(s, q, r) for s, q, r in self._heap if self._member.get(r.key) == q]
+        return iter([r for _, _, r in sorted(live, key=lambda e: (e[0], e[1]))])
+
+    def score(self, rec: PageRec) -> float:
+        w1, w2, w3, w4 = self._w
+        phi = w1 * rec.last_access_s / self._scale + w2 * math.log1p(rec.hits)
+        if w3:
+            phi += w3 * self._cost_ratio(rec)
+        if w4 and rec.deadline_s is not None and rec.last_access_s > rec.deadline_s:
+            phi -= w4 * (rec.last_access_s - rec.deadline_s) / self._scale
+        return phi
+
+    def add(self, rec: PageRec) -> None:
+        seq = next(self._seq)
+        self._member[rec.key] = seq
+        heapq.heappush(self._heap, (self.score(rec), seq, rec))
+        if len(self._heap) > 4 * len(self._member) + 1024:
+            self._compact()
+
+    touch = add
+
+    def remove(self, rec: PageRec) -> None:
+        self._member.pop(rec.key, None)
+
+    def _compact(self) -> None:
+        member = self._member
+        self._heap = [e for e in self._heap if member.get(e[2].key) == e[1]]
+        heapq.heapify(self._heap)
+
+    def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+        heap, member = self._heap, self._member
+        out: list[PageRec] = []
+        kept: list[tuple[float, int, PageRec]] = []
+        while heap and len(out) < n and scan > 0:
+            entry = heapq.heappop(heap)
+            rec = entry[2]
+            if member.get(rec.key) != entry[1]:
+                continue  # stale: touched since, or removed
+            scan -= 1
+            kept.append(entry)
+            if eligible(rec):
+                out.append(rec)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return out
+
+
+class ARCOrder:
+    """Adaptive replacement (Megiddo & Modha): recency list T1, frequency list T2,
+    ghost lists B1/B2 that move the target size p of T1."""
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        self._t1: OrderedDict[bytes, PageRec] = OrderedDict()
+        self._t2: OrderedDict[bytes, PageRec] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._p = 0.0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __iter__(self) -> Iterator[PageRec]:
+        return iter(list(self._t1.values()) + list(self._t2.values()))
+
+    def add(self, rec: PageRec) -> None:
+        key = rec.key
+        size = max(len(self), 1)
+        if key in self._b1:
+            self._p = min(self._p + max(1.0, len(self._b2) / max(len(self._b1), 1)), size)
+            del self._b1[key]
+            self._t2[key] = rec
+        elif key in self._b2:
+            self._p = max(self._p - max(1.0, len(self._b1) / max(len(self._b2), 1)), 0.0)
+            del self._b2[key]
+            self._t2[key] = rec
+        elif key in self._t1 or key in self._t2:
+            self.touch(rec)
+        else:
+            self._t1[key] = rec
+
+    def touch(self, rec: PageRec) -> None:
+        key = rec.key
+        if self._t1.pop(key, None) is not None:
+            self._t2[key] = rec
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, rec: PageRec) -> None:
+        """The page left the tier: remember it in the ghost list of where it was."""
+        key = rec.key
+        if self._t1.pop(key, None) is not None:
+            self._b1[key] = None
+        elif self._t2.pop(key, None) is not None:
+            self._b2[key] = None
+        else:
+            return
+        limit = max(len(self), 64)
+        for ghosts in (self._b1, self._b2):
+            while len(ghosts) > limit:
+                ghosts.popitem(last=False)
+
+    def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+        out: list[PageRec] = []
+        first, second = (
+            (self._t1, self._t2)
+            if len(self._t1) > self._p or not self._t2
+            else (self._t2, self._t1)
+        )
+        for pages in (first, second):
+            for rec in itertools.islice(pages.values(), scan):
+                if eligible(rec):
+                    out.append(rec)
+                    if len(out) >= n:
+                        return out
+        return out
+
+
+def make_order(
+    name: str,
+    weights: tuple[float, float, float, float],
+    recency_scale_s: float,
+    cost_ratio: Callable[[PageRec], float],
+) -> EvictionOrder:
+    if name == "lru":
+        return LRUOrder()
+    if name == "arc":
+        return ARCOrder()
+    if name == "phi":
+        return PhiOrder(weights, recency_scale_s, cost_ratio)
+    raise ValueError(f"unknown eviction policy {name!r}; known: phi, lru, arc")

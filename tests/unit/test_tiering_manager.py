@@ -1,0 +1,274 @@
+"""TierManager on the CPU: offer, lookup, load, eviction down the tiers, restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.tiering import (
+    LookupState,
+    ModelCost,
+    RequestContext,
+    TierConfig,
+    TierManager,
+)
+
+PAGE = 64 * 1024
+SLOT = PAGE
+SMALL_MODEL = ModelCost(1e9, 8, 8, 64, PAGE // 16)
+
+
+def config(tmp_path: Path | None, **overrides: Any) -> TierConfig:
+    base: dict[str, Any] = dict(
+        device="cpu",
+        hbm="owned",
+        hbm_bytes=4 * SLOT,
+        dram_bytes=8 * SLOT,
+        page_bytes=PAGE,
+        tokens_per_page=16,
+        nvme_path=str(tmp_path / "nvme") if tmp_path is not None else None,
+        nvme_options={"segment_bytes": 4 << 20, "gc_interval_s": 0},
+        model=SMALL_MODEL,
+        # A fast disk: loading beats recomputing from every tier.
+        compute_flops=1e11,
+        admission="all",
+        hysteresis_s=0.0,
+        probe_at_open=False,
+        control_interval_s=0.001,
+    )
+    base.update(overrides)
+    return TierConfig(**base)
+
+
+def page(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+
+
+def keys(n: int, prefix: str = "k") -> list[bytes]:
+    return [f"{prefix}{i}".encode() for i in range(n)]
+
+
+def load_all(tm: TierManager, ks: list[bytes]) -> list[torch.Tensor]:
+    result = tm.lookup(ks)
+    dst = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(result.plan.load_pages)]
+    handle = tm.prepare_load(result.plan, dst)
+    assert handle.wait(10)
+    loaded = tm.complete_load(handle)
+    return dst[:loaded]
+
+
+def test_offer_then_load_returns_the_bytes(tmp_path: Path) -> None:
+    with TierManager.open(config(tmp_path)) as tm:
+        ks = keys(3)
+        offered = tm.offer(ks, [page(i) for i in range(3)])
+        assert offered.tiers == (0, 0, 0)
+        assert offered.hbm_release.wait(10)
+        result = tm.lookup([*ks, b"absent"])
+        assert result.hit_pages == 3
+        assert result.pages_by_tier == (3, 0, 0)
+        assert result.state is LookupState.READY
+        got = load_all(tm, ks)
+        assert all(torch.equal(g, page(i)) for i, g in enumerate(got))
+        assert len(got) == 3
+
+
+def test_pages_flow_down_to_nvme_and_come_back_exact(tmp_path: Path) -> None:
+    # Tiny tiers: low watermarks keep the headroom a real DRAM has in slots.
+    cfg = config(tmp_path, dram_bytes=16 * SLOT, watermark_warn=0.5, watermark_low=0.4)
+    with TierManager.open(cfg) as tm:
+        ks = keys(30)
+        for i in range(0, 30, 3):
+            parents = [ks[i - 1] if i else None, ks[i], ks[i + 1]]
+            out = tm.offer(ks[i : i + 3], [page(j) for j in range(i, i + 3)], parents=parents)
+            assert out.admitted == 3, out.reasons
+            for _ in range(3):  # the control cycles make room below, as between requests
+                tm.drain()
+                tm.step()
+        assert tm.drain()
+        stats = tm.stats()
+        assert stats.pages_by_tier[2] > 0
+        assert stats.used_bytes[0] <= stats.capacity_bytes[0]
+        assert stats.used_bytes[1] <= stats.capacity_bytes[1]
+        result = tm.lookup(ks)
+        assert result.hit_pages == 30
+        got = load_all(tm, ks)
+        assert len(got) == 30
+        for i, g in enumerate(got):
+            assert torch.equal(g, page(i)), i
+
+
+def test_restart_rebuilds_the_forest_from_nvme(tmp_path: Path) -> None:
+    ks = keys(20)
+    with TierManager.open(config(tmp_path, watermark_warn=0.5, watermark_low=0.1)) as tm:
+        tm.offer(ks, [page(i) for i in range(20)])
+        tm.drain()
+        for _ in range(50):
+            tm.step()
+            tm.drain()
+        on_nvme = tm.stats().pages_by_tier[2]
+    assert on_nvme > 0
+    with TierManager.open(config(tmp_path, warm_dram_on_open=False)) as tm:
+        assert tm.stats().pages_by_tier == (0, 0, on_nvme)
+        # What was only in HBM or DRAM is gone; recomputing
+        # it reconnects the NVMe pages: the forest is whole.
+        lost = [i for i, k in enumerate(ks) if tm.store.info(k) is None]
+        assert lost and len(lost) < len(ks)
+        assert tm.lookup(ks).hit_pages == lost[0]  # up to the first hole
+        tm.offer(
+            [ks[i] for i in lost],
+            [page(i) for i in lost],
+            parents=[ks[i - 1] if i else None for i in lost],
+        )
+        tm.drain()
+        result = tm.lookup(ks)
+        assert result.hit_pages == 20
+        got = load_all(tm, ks)
+        assert len(got) == 20
+        for i, g in enumerate(got):
+            assert torch.equal(g, page(i))
+    assert (tmp_path / "nvme" / "tiering-stats.json").exists()
+
+
+def test_slow_disk_recomputes_past_dram_fast_disk_loads_everything(tmp_path: Path) -> None:
+    ks = keys(6)
+    cases = (({"nvme_read": 1e6}, "partial"), ({"nvme_read": 1e13}, "load"))
+    for rates, expected in cases:
+        cfg = config(
+            tmp_path / expected,
+            hbm_bytes=0,
+            dram_bytes=16 * SLOT,
+            bandwidth_bytes_per_s=rates,
+            compute_flops=1e12,
+            watermark_warn=0.2,
+            watermark_low=0.2,
+        )
+        with TierManager.open(cfg) as tm:
+            tm.offer(ks, [page(i) for i in range(6)])
+            for _ in range(5):
+                tm.drain()
+                tm.step()
+            result = tm.lookup(ks)
+            dram, nvme = result.pages_by_tier[1], result.pages_by_tier[2]
+            assert dram > 0 and nvme > 0 and result.hit_pages == 6  # the tail went down
+            if expected == "partial":
+                # 1 MB/s: reading a page costs more than recomputing it; DRAM is cheaper.
+                assert result.plan.load_pages == dram
+                assert result.plan.reason.startswith("partial")
+                assert result.state is LookupState.READY
+            else:
+                assert result.plan.load_pages == 6
+                assert result.state is LookupState.PENDING
+            got = load_all(tm, ks)
+            for i, g in enumerate(got):
+                assert torch.equal(g, page(i))
+
+
+def test_miss_when_every_hit_is_on_a_slow_disk(tmp_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        hbm_bytes=0,
+        dram_bytes=16 * SLOT,
+        bandwidth_bytes_per_s={"nvme_read": 1e6},
+        compute_flops=1e12,
+        watermark_warn=0.01,
+        watermark_low=0.01,
+        warm_dram_on_open=False,
+    )
+    with TierManager.open(cfg) as tm:
+        tm.offer(keys(2), [page(0), page(1)])
+        for _ in range(5):
+            tm.drain()
+            tm.step()
+        result = tm.lookup(keys(2))
+        assert result.pages_by_tier == (0, 0, 2)
+        assert result.state is LookupState.MISS
+        assert result.plan.reason == "recompute is faster"
+        assert tm.stats().recompute_decisions == {"faster": 1}
+
+
+def test_orphans_are_declined_and_descendants_with_them(tmp_path: Path) -> None:
+    with TierManager.open(config(None)) as tm:
+        out = tm.offer([b"c1", b"c2"], [page(1), page(2)], parents=[b"missing-parent", b"c1"])
+        assert out.tiers == (None, None)
+        assert out.reasons[0].startswith("orphan")
+        assert out.reasons[1] == "parent declined"
+        assert tm.lookup([b"c1"]).hit_pages == 0
+
+
+def test_pinned_pages_are_never_evicted(tmp_path: Path) -> None:
+    with TierManager.open(config(None, hbm_bytes=2 * SLOT, dram_bytes=2 * SLOT)) as tm:
+        tm.offer([b"root"], [page(0)])
+        tm.drain()
+        assert tm.pin([b"root", b"absent"]) == [True, False]
+        for i in range(20):
+            tm.offer([f"x{i}".encode()], [page(i)], parents=[None])
+            tm.drain()
+            tm.step()
+        assert tm.lookup([b"root"]).hit_pages == 1
+        tm.unpin([b"root"])
+        with pytest.raises(ValueError, match="not pinned"):
+            tm.unpin([b"root"])
+
+
+def test_everything_pinned_declines_without_raising() -> None:
+    with TierManager.open(config(None, hbm_bytes=0, dram_bytes=2 * SLOT)) as tm:
+        tm.offer([b"a", b"b"], [page(0), page(1)], parents=[None, None])
+        tm.drain()
+        tm.pin([b"a", b"b"])
+        out = tm.offer([b"c"], [page(2)], parents=[None])
+        assert out.tiers == (None,)
+        assert "full" in out.reasons[0]
+
+
+def test_bad_input_is_refused_before_anything_changes() -> None:
+    with TierManager.open(config(None)) as tm:
+        with pytest.raises(ValueError, match="sources"):
+            tm.offer([b"a", b"b"], [page(0)])
+        with pytest.raises(ValueError, match="bytes"):
+            tm.offer([b"a"], [torch.zeros(PAGE + 1, dtype=torch.uint8)])
+        with pytest.raises(TypeError, match=r"torch\.Tensor"):
+            tm.offer([b"a"], [b"not a tensor"])
+        with pytest.raises(ValueError, match="contiguous"):
+            tm.offer([b"a"], [torch.zeros(2, PAGE // 2, dtype=torch.uint8).t()])
+        with pytest.raises(TypeError, match="keys"):
+            tm.offer([1.5], [page(0)])
+        with pytest.raises(ValueError, match="observe_prefill"):
+            tm.observe_prefill(0, 0, 1.0)
+        assert tm.stats().pages == 0
+
+
+def test_engine_mode_tracks_hbm_and_keeps_dram(tmp_path: Path) -> None:
+    with TierManager.open(config(None, hbm="engine", hbm_bytes=1 << 30)) as tm:
+        tm.offer([b"e0", b"e1"], [page(0), page(1)])
+        tm.drain()
+        assert tm.lookup([b"e0", b"e1"]).pages_by_tier == (2, 0, 0)
+        tm.notify_hbm_evicted([b"e0", b"e1"])
+        result = tm.lookup([b"e0", b"e1"])
+        assert result.pages_by_tier == (0, 2, 0)
+        got = load_all(tm, [b"e0", b"e1"])
+        assert torch.equal(got[0], page(0)) and torch.equal(got[1], page(1))
+
+
+def test_observe_prefill_moves_compute_and_explain_shows_numbers(tmp_path: Path) -> None:
+    with TierManager.open(config(None)) as tm:
+        tm.observe_prefill(1024, 0, 0.01)
+        flops = tm.stats().compute_flops
+        assert flops != 1e11
+        tm.offer([b"a"], [page(0)], RequestContext(tag="tenant-a"))
+        text = tm.explain(b"a")
+        assert "kappa" in text and "p(reuse)" in text and "tenant-a" in text
+        assert "not resident" in tm.explain(b"zz")
+
+
+def test_closed_manager_refuses_calls() -> None:
+    tm = TierManager.open(config(None))
+    tm.close()
+    tm.close()
+    from kvstore.errors import ClosedError
+
+    with pytest.raises(ClosedError):
+        tm.lookup([b"a"])

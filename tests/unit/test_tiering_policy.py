@@ -1,0 +1,204 @@
+"""Eviction orders (Φ, LRU, ARC), the reuse estimator, τ, admission modes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvstore.tiering.pages import PageRec
+from kvstore.tiering.policy import (
+    Admission,
+    ARCOrder,
+    LRUOrder,
+    PhiOrder,
+    ReuseEstimator,
+    TauController,
+    depth_bucket,
+)
+
+
+def rec(name: str, *, last: float = 0.0, hits: float = 0.0, depth: int = 0) -> PageRec:
+    page = PageRec(name.encode(), None, depth, 256, 4096, last)
+    page.hits = hits
+    return page
+
+
+def names(pages: list[PageRec]) -> list[str]:
+    return [p.key.decode() for p in pages]
+
+
+def take_all(order: object, eligible=lambda r: True) -> list[str]:  # type: ignore[no-untyped-def]
+    picked = order.victims(100, eligible, 1000)  # type: ignore[attr-defined]
+    return names(picked)
+
+
+@pytest.mark.parametrize(
+    ("weights", "pages", "expected"),
+    [
+        # Recency only: oldest first.
+        ((1, 0, 0, 0), [("a", 30, 0), ("b", 10, 0), ("c", 20, 0)], ["b", "c", "a"]),
+        # Hits only, log-dampened: fewest first; 100 hits beat 10 but not by 10x.
+        ((0, 1, 0, 0), [("a", 0, 100), ("b", 0, 10), ("c", 0, 0)], ["c", "b", "a"]),
+        # One unit of recency per 60 s: a page touched 2 min later outranks ln(1+5) hits.
+        ((1, 1, 0, 0), [("old-hot", 0, 5), ("new-cold", 120, 0)], ["old-hot", "new-cold"]),
+        ((1, 1, 0, 0), [("old-hot", 0, 20), ("new-cold", 120, 0)], ["new-cold", "old-hot"]),
+    ],
+)
+def test_phi_order(
+    weights: tuple[float, ...], pages: list[tuple[str, float, float]], expected: list[str]
+) -> None:
+    order = PhiOrder(weights, 60.0, lambda r: 1.0)  # type: ignore[arg-type]
+    for name, last, hits in pages:
+        order.add(rec(name, last=last, hits=hits))
+    assert take_all(order) == expected
+    assert [p.key.decode() for p in order] == expected
+
+
+def test_phi_cost_and_slo_terms() -> None:
+    order = PhiOrder((0, 0, 1, 1), 60.0, lambda r: 1.0 + r.depth / 10)
+    deep, shallow, late = (
+        rec("deep", depth=20),
+        rec("shallow", depth=0),
+        rec("late", last=100.0, depth=20),
+    )
+    late.deadline_s = -80.0  # three minutes past its SLO: its pages go first
+    for page in (deep, shallow, late):
+        order.add(page)
+    assert take_all(order) == ["late", "shallow", "deep"]
+
+
+def test_phi_touch_and_remove_are_lazy_but_exact() -> None:
+    order = PhiOrder((1, 0, 0, 0), 60.0, lambda r: 1.0)
+    pages = [rec(f"p{i}", last=float(i)) for i in range(5)]
+    for page in pages:
+        order.add(page)
+    pages[0].last_access_s = 99.0
+    order.touch(pages[0])
+    order.remove(pages[2])
+    assert len(order) == 4
+    assert take_all(order) == ["p1", "p3", "p4", "p0"]
+    # victims only chooses: nothing left the order.
+    assert len(order) == 4
+
+
+def test_victims_skip_ineligible_and_keep_them() -> None:
+    for order in (LRUOrder(), PhiOrder((1, 0, 0, 0), 60.0, lambda r: 1.0), ARCOrder()):
+        for i in range(6):
+            order.add(rec(f"p{i}", last=float(i)))
+        pinned = {"p0", "p2"}
+        got = order.victims(3, lambda r, pinned=pinned: r.key.decode() not in pinned, 100)
+        assert names(got) == ["p1", "p3", "p4"], order.name
+        assert len(order) == 6
+
+
+def test_lru_touch_moves_to_the_back() -> None:
+    order = LRUOrder()
+    a, b, c = rec("a"), rec("b"), rec("c")
+    for page in (a, b, c):
+        order.add(page)
+    order.touch(a)
+    assert take_all(order) == ["b", "c", "a"]
+
+
+def test_arc_protects_pages_seen_twice_from_a_scan() -> None:
+    order = ARCOrder()
+    hot = [rec(f"hot{i}") for i in range(4)]
+    for page in hot:
+        order.add(page)
+        order.touch(page)  # second access: T2
+    for i in range(8):
+        order.add(rec(f"scan{i}"))
+    victims = names(order.victims(4, lambda r: True, 100))
+    assert all(v.startswith("scan") for v in victims)
+
+
+def test_arc_ghost_hit_adapts() -> None:
+    order = ARCOrder()
+    pages = [rec(f"p{i}") for i in range(4)]
+    for page in pages:
+        order.add(page)
+    order.remove(pages[0])  # left the tier: remembered in B1
+    order.add(pages[0])  # a ghost hit in B1 grows T1's target and enters T2
+    assert order._p >= 1.0
+    assert b"p0" in order._t2
+
+
+def test_reuse_estimator_converges_per_class() -> None:
+    est = ReuseEstimator(entries=500, prior=(1.0, 3.0))
+    rng = random.Random(3)
+    # Depth-0 keys come back 80% of the time, deep keys 10%.
+    for i in range(6000):
+        est.access(b"root%d" % i, 0, "", lookup=False)
+        if rng.random() < 0.8:
+            est.access(b"root%d" % i, 0, "", lookup=False)
+        est.access(b"deep%d" % i, 40, "", lookup=False)
+        if rng.random() < 0.1:
+            est.access(b"deep%d" % i, 40, "", lookup=False)
+    assert est.p(0, False, "") == pytest.approx(0.8, abs=0.05)
+    assert est.p(40, False, "") == pytest.approx(0.1, abs=0.05)
+    assert est.p(5, False, "never-seen-tag") == pytest.approx(0.25)
+    assert len(est) <= 500
+
+
+def test_lookup_then_offer_counts_one_access() -> None:
+    est = ReuseEstimator(entries=10, prior=(1.0, 1.0))
+    assert est.access(b"k", 0, "", lookup=True) == 1
+    assert est.access(b"k", 0, "", lookup=False) == 1  # the same request's offer
+    assert est.access(b"k", 0, "", lookup=True) == 2
+    assert est.seen(b"k") == 2
+
+
+def test_depth_buckets() -> None:
+    assert [depth_bucket(d) for d in (0, 1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 2, 2, 3, 3, 4, 7]
+
+
+def test_tau_tightens_under_pressure_and_relaxes_after() -> None:
+    tau = TauController(0.0)
+    for _ in range(20):
+        tau.on_evict(1, 1e-9)
+    for second in range(20):
+        tau.update(float(second), (0.0, 0.97, 0.5), 0.90, 0.85, 0.0)
+    assert tau.tau[1] == pytest.approx(1e-9, rel=0.2)  # gain saturates at 1
+    assert tau.tau[0] == 0.0 and tau.tau[2] == 0.0
+    high = tau.tau[1]
+    assert not tau.update(19.5, (0.0, 0.97, 0.5), 0.90, 0.85, 0.0)  # once per second
+    for second in range(20, 40):
+        tau.update(float(second), (0.0, 0.5, 0.5), 0.90, 0.85, 0.0)
+    assert tau.tau[1] == 0.0 < high
+    # Between the marks it holds: no oscillation.
+    for second in range(40, 45):
+        tau.update(float(second), (0.0, 0.88, 0.5), 0.90, 0.85, 0.0)
+    assert tau.tau[1] == 0.0
+
+
+def test_tau_nvme_follows_the_write_budget() -> None:
+    tau = TauController(0.0)
+    for _ in range(20):
+        tau.on_evict(2, 2e-9)
+    tau.update(0.0, (0.0, 0.0, 0.5), 0.90, 0.85, 3.0)
+    assert tau.tau[2] > 0
+    for second in range(1, 30):
+        tau.update(float(second), (0.0, 0.0, 0.5), 0.90, 0.85, 0.5)
+    assert tau.tau[2] == pytest.approx(2e-9 * 0.0 + tau._gain[2] * tau._victim_vd[2])
+
+
+@pytest.mark.parametrize(
+    ("mode", "threshold", "seen", "expected"),
+    [
+        ("all", 0, 1, (True, True, True)),
+        ("freq2", 0, 1, (True, True, False)),
+        ("freq2", 0, 2, (True, True, True)),
+        ("store_threshold", 3, 2, (True, False, False)),
+        ("store_threshold", 3, 3, (True, True, True)),
+        ("value_density", 0, 1, (True, True, False)),  # VD 1.0 / 1.0 / -1.0 against τ 0
+    ],
+)
+def test_admission_modes(mode: str, threshold: int, seen: int, expected: tuple[bool, ...]) -> None:
+    vd = {0: 1.0, 1: 1.0, 2: -1.0}
+    admission = Admission(mode, threshold, lambda r, t: vd[t])
+    page = rec("a")
+    assert tuple(admission.admit(page, t, seen, 0.0)[0] for t in range(3)) == expected
+    page.retained = True
+    assert all(admission.admit(page, t, seen, math.inf)[0] for t in range(3))
