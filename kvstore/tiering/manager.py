@@ -170,6 +170,8 @@ class TierManager:
             self._capacity[HBM] = config.hbm_bytes
         self._used = [0, 0, 0]  # bytes (slots x slot size for HBM/DRAM)
         self._leaving = [0, 0, 0]  # of which: demotions out of the tier in flight
+        self._clean_dram = 0  # DRAM pages that also have their NVMe copy (free at once)
+        self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
         self._count = [0, 0, 0]
         self._pages: dict[bytes, PageRec] = {}
         weights = config.phi_weights
@@ -654,6 +656,8 @@ class TierManager:
                 if usage[tier] >= self.config.watermark_warn:
                     force = usage[tier] >= self.config.watermark_force
                     self._evict_to(tier, self.config.watermark_low, force=force)
+            if usage[DRAM] >= self.config.watermark_low:
+                self._preclean()
             self._retry_fetches()
             self._warm_step()
             if (
@@ -844,6 +848,9 @@ class TierManager:
         if tiers & 4:
             orders[2].touch(rec)
 
+    # Only leaves of a tier (no resident child there) sit in its eviction order: the
+    # order's head is then always a candidate, and "leaves first" costs nothing.
+
     def _set_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
         if rec.tiers & bit:
@@ -851,16 +858,19 @@ class TierManager:
         rec.tiers |= bit
         self._count[tier] += 1
         self._used[tier] += self._tier_bytes(rec, tier)
-        self._orders[tier].add(rec)
+        if tier and rec.tiers & 6 == 6:
+            self._clean_dram += 1
+        if not rec.resident_children[tier]:
+            self._orders[tier].add(rec)
         if rec.parent is not None:
-            parent = self._pages.get(rec.parent)
-            if parent is not None:
-                parent.resident_children[tier] += 1
+            self._child_arrived(rec.parent, tier)
 
     def _clear_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
         if not rec.tiers & bit:
             return
+        if tier and rec.tiers & 6 == 6:
+            self._clean_dram -= 1
         rec.tiers &= ~bit
         self._count[tier] -= 1
         self._used[tier] -= self._tier_bytes(rec, tier)
@@ -869,15 +879,29 @@ class TierManager:
             rec.leaving &= ~bit  # the parent's count went when the demotion began
             self._leaving[tier] -= self._tier_bytes(rec, tier)
         elif rec.parent is not None:
-            parent = self._pages.get(rec.parent)
-            if parent is not None and parent.resident_children[tier] > 0:
-                parent.resident_children[tier] -= 1
+            self._child_gone(rec.parent, tier)
         if tier == HBM and rec.hbm_slot >= 0:
             self._hbm.free(rec.hbm_slot)
             rec.hbm_slot = -1
         elif tier == DRAM and rec.dram_slot >= 0:
             self._dram.free(rec.dram_slot)
             rec.dram_slot = -1
+
+    def _child_arrived(self, parent_key: bytes, tier: int) -> None:
+        parent = self._pages.get(parent_key)
+        if parent is None:
+            return
+        parent.resident_children[tier] += 1
+        if parent.resident_children[tier] == 1 and parent.tiers & BIT[tier]:
+            self._orders[tier].remove(parent)
+
+    def _child_gone(self, parent_key: bytes, tier: int) -> None:
+        parent = self._pages.get(parent_key)
+        if parent is None or parent.resident_children[tier] <= 0:
+            return
+        parent.resident_children[tier] -= 1
+        if not parent.resident_children[tier] and parent.tiers & BIT[tier]:
+            self._orders[tier].add(parent)
 
     def _leave(self, rec: PageRec, tier: int) -> None:
         """A demotion out of ``tier`` began: the parent may go in the same batch."""
@@ -887,9 +911,7 @@ class TierManager:
         rec.leaving |= bit
         self._leaving[tier] += self._tier_bytes(rec, tier)
         if rec.parent is not None:
-            parent = self._pages.get(rec.parent)
-            if parent is not None and parent.resident_children[tier] > 0:
-                parent.resident_children[tier] -= 1
+            self._child_gone(rec.parent, tier)
 
     def _stay(self, rec: PageRec, tier: int) -> None:
         """A demotion out of ``tier`` did not happen: the page counts as resident again."""
@@ -899,9 +921,7 @@ class TierManager:
         rec.leaving &= ~bit
         self._leaving[tier] -= self._tier_bytes(rec, tier)
         if rec.parent is not None:
-            parent = self._pages.get(rec.parent)
-            if parent is not None:
-                parent.resident_children[tier] += 1
+            self._child_arrived(rec.parent, tier)
 
     def _tier_bytes(self, rec: PageRec, tier: int) -> int:
         if tier == NVME or (tier == HBM and not self._owned_hbm):
@@ -968,7 +988,19 @@ class TierManager:
         (HBM/DRAM pages with a copy below, or not worth keeping); demote the rest in
         the background."""
         arena = self._hbm if tier == HBM else self._dram
-        self._evict_to(tier, None, force=False, batch=max(1, min(8, arena.slots // 16)))
+        batch = max(1, min(8, arena.slots // 16))
+        if tier == DRAM and self._clean_dram:
+            # Pages with their NVMe copy go at once; a write-back would free nothing now.
+            eligible = self._eligible(DRAM, False)
+            clean = self._orders[DRAM].victims(
+                batch, lambda r: r.tiers & 6 == 6 and eligible(r), 4 * batch + 256
+            )
+            for rec in clean:
+                self._clear_tier(rec, DRAM)
+                self._bump("evict:dram:clean")
+            if clean:
+                return
+        self._evict_to(tier, None, force=False, batch=batch)
 
     def _evict_to(self, tier: int, low: float | None, *, force: bool, batch: int = _BATCH) -> int:
         """Evict from ``tier`` down to ``low`` x capacity (None: one batch)."""
@@ -993,35 +1025,45 @@ class TierManager:
                     self._bump("hysteresis_overridden", len(victims))
             if not victims:
                 break
+            writes: list[PageRec] = []
+            blocked = False
             for rec in victims:
                 if tier == NVME:
                     self._evict_nvme(rec)
                 elif tier == DRAM:
-                    self._evict_dram(rec, now)
-                else:
-                    self._evict_hbm(rec, now)
-            done += len(victims)
-            if done >= want:
+                    if not self._evict_dram(rec, now, writes):
+                        blocked = True
+                        break
+                    self._batch_write_bytes += rec.nbytes if writes and writes[-1] is rec else 0
+                elif not self._evict_hbm(rec, now):
+                    blocked = True  # DRAM has no room yet: the rest waits a cycle
+                    break
+                done += 1
+            self._batch_write_bytes = 0
+            if writes:
+                self._write_back(writes, demote=True)
+            if blocked or done >= want:
                 break
         return done
 
-    def _evict_hbm(self, rec: PageRec, now: float) -> None:
+    def _evict_hbm(self, rec: PageRec, now: float) -> bool:
+        """Demote or drop one HBM victim; False when DRAM had no slot for it."""
         ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])[0]
         self._tau.on_evict(HBM, self._value_density(rec, HBM))
         if rec.in_tier(DRAM) or rec.in_tier(NVME):
             self._clear_tier(rec, HBM)
             self._bump("evict:hbm:clean")
-            return
+            return True
         if not ok:
             self._clear_tier(rec, HBM)
             self._bump("evict:hbm:dropped")
             self._dropped(rec)
-            return
+            return True
         slot = self._alloc(DRAM)
         if slot is None:
             # DRAM is busy writing back: the page waits in HBM for the next cycle.
             self._bump("evict:hbm:blocked")
-            return
+            return False
         rec.dram_slot = slot
         rec.state = PageState.EVICTING
         rec.demoted_at_s = now
@@ -1037,24 +1079,26 @@ class TierManager:
         )
         del ticket
         self._bump("demotions")
+        return True
 
-    def _evict_dram(self, rec: PageRec, now: float) -> None:
+    def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec]) -> bool:
+        """Free, drop or queue for write-back one DRAM victim; False: paced, wait."""
         self._tau.on_evict(DRAM, self._value_density(rec, DRAM))
         if rec.in_tier(NVME) or rec.in_tier(HBM):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:clean")
-            return
+            return True
         if not self._nvme_enabled:
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
             self._dropped(rec)
-            return
+            return True
         if self._emergency and not rec.retained:
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:emergency")
             self._bump("emergency_evictions")
             self._dropped(rec)
-            return
+            return True
         seen = self._reuse.seen(rec.key)
         ok = self._admission.admit(rec, NVME, seen, self._tau.tau[NVME])[0]
         if not ok:
@@ -1062,10 +1106,45 @@ class TierManager:
             self._bump("evict:dram:dropped")
             self._bump("admission:nvme:below_tau")
             self._dropped(rec)
-            return
+            return True
+        if self._write_paced():
+            if rec.retained:
+                return False  # the disk has a second of writes queued: wait a cycle
+            # Writes already queue a second deep: dropping the least valuable page
+            # beats stalling DRAM (a stall declines new pages, and orphans their chains).
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:paced")
+            self._dropped(rec)
+            return True
         self._bump("admission:nvme:admitted")
         rec.demoted_at_s = now
-        self._write_back([rec], demote=True)
+        writes.append(rec)
+        return True
+
+    def _preclean(self) -> None:
+        """Keep a reserve of clean DRAM pages (the next victims, already on NVMe) so an
+        allocation under pressure frees a slot at once instead of declining: write
+        back, without evicting, the lowest-ranked dirty pages NVMe admits."""
+        cap = self._capacity[DRAM]
+        reserve = (self.config.watermark_warn - self.config.watermark_low) * cap
+        want = int((reserve - self._clean_dram * self._slot_bytes) // self._slot_bytes)
+        if want <= 0 or not self._nvme_enabled or self._emergency or self._write_paced():
+            return
+        want = min(want, _BATCH)
+        eligible = self._eligible(DRAM, True)
+
+        def dirty(rec: PageRec) -> bool:
+            return not rec.tiers & 5 and eligible(rec) and self._admits_nvme(rec)
+
+        picked = self._orders[DRAM].victims(want, dirty, 4 * want + 64)
+        if picked:
+            self._bump("precleaned", len(picked))
+            self._write_back(picked, demote=False)
+
+    def _write_paced(self) -> bool:
+        """Write-back stops queueing at one second of measured write bandwidth."""
+        queued = self._mover.in_flight_bytes(Path.NVME_WRITE) + self._batch_write_bytes
+        return queued > self._bandwidth["nvme_write"].rate
 
     def _evict_nvme(self, rec: PageRec) -> None:
         self._tau.on_evict(NVME, self._value_density(rec, NVME))
@@ -1119,12 +1198,17 @@ class TierManager:
         if self._emergency and not was:
             self._bump("emergency:entered")
             # Free clean DRAM in bulk: pages that already have their NVMe copy.
-            for rec in list(self._orders[DRAM]):
-                if self._used[DRAM] <= self.config.watermark_low * self._capacity[DRAM]:
+            low = self.config.watermark_low * self._capacity[DRAM]
+            clean = [
+                rec
+                for rec in self._orders[DRAM].unordered()
+                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is PageState.READY
+            ]
+            for rec in clean:
+                if self._used[DRAM] <= low:
                     break
-                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is PageState.READY:
-                    self._clear_tier(rec, DRAM)
-                    self._bump("emergency_evictions")
+                self._clear_tier(rec, DRAM)
+                self._bump("emergency_evictions")
 
     def _ramp_drop(self) -> bool:
         """In an emergency, decline a rising share of new offers (1 in 2, then more)."""

@@ -150,7 +150,10 @@ class TauController:
         if now_s - self.updated_s < self.PERIOD_S:
             return False
         self.updated_s = now_s
-        for tier in range(3):
+        # HBM and DRAM keep τ at its initial value: a demotion down the memory tiers
+        # costs no wear, and their eviction order already ranks what stays. NVMe's
+        # bar rises with its pressure and with writes over the DWPD budget.
+        for tier in (NVME,):
             gain = self._gain[tier]
             if usage[tier] >= warn:
                 gain += self.STEP
@@ -215,41 +218,7 @@ class EvictionOrder(Protocol):
     def remove(self, rec: PageRec) -> None: ...
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
     def __iter__(self) -> Iterator[PageRec]: ...
-
-
-class LRUOrder:
-    """Least recently used first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._pages: OrderedDict[bytes, PageRec] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    def __iter__(self) -> Iterator[PageRec]:
-        return iter(list(self._pages.values()))
-
-    def add(self, rec: PageRec) -> None:
-        self._pages[rec.key] = rec
-        self._pages.move_to_end(rec.key)
-
-    def touch(self, rec: PageRec) -> None:
-        if rec.key in self._pages:
-            self._pages.move_to_end(rec.key)
-
-    def remove(self, rec: PageRec) -> None:
-        self._pages.pop(rec.key, None)
-
-    def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
-        out: list[PageRec] = []
-        for rec in itertools.islice(self._pages.values(), scan):
-            if eligible(rec):
-                out.append(rec)
-                if len(out) >= n:
-                    break
-        return out
+    def unordered(self) -> list[PageRec]: ...
 
 
 class PhiOrder:
@@ -284,6 +253,10 @@ class PhiOrder:
         live = [(s, q, r) for s, q, r in self._heap if self._member.get(r.key) == q]
         return iter([r for _, _, r in sorted(live, key=lambda e: (e[0], e[1]))])
 
+    def unordered(self) -> list[PageRec]:
+        member = self._member
+        return [r for _, q, r in self._heap if member.get(r.key) == q]
+
     def score(self, rec: PageRec) -> float:
         w1, w2, w3, w4 = self._w
         phi = w1 * rec.last_access_s / self._scale + w2 * math.log1p(rec.hits)
@@ -300,7 +273,10 @@ class PhiOrder:
         if len(self._heap) > 4 * len(self._member) + 1024:
             self._compact()
 
-    touch = add
+    def touch(self, rec: PageRec) -> None:
+        """Re-rank a member after an access; a page outside the order stays out."""
+        if rec.key in self._member:
+            self.add(rec)
 
     def remove(self, rec: PageRec) -> None:
         self._member.pop(rec.key, None)
@@ -328,6 +304,22 @@ class PhiOrder:
         return out
 
 
+class LRUOrder(PhiOrder):
+    """Least recently used first: Φ with recency alone (ties: the older entry first).
+
+    A heap keyed by the last access rather than a linked list, so that a page that
+    leaves the order (it gained a resident child) and comes back keeps its rank.
+    """
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0)
+
+    def score(self, rec: PageRec) -> float:
+        return rec.last_access_s
+
+
 class ARCOrder:
     """Adaptive replacement (Megiddo & Modha): recency list T1, frequency list T2,
     ghost lists B1/B2 that move the target size p of T1."""
@@ -345,7 +337,10 @@ class ARCOrder:
         return len(self._t1) + len(self._t2)
 
     def __iter__(self) -> Iterator[PageRec]:
-        return iter(list(self._t1.values()) + list(self._t2.values()))
+        return iter(self.unordered())
+
+    def unordered(self) -> list[PageRec]:
+        return [*self._t1.values(), *self._t2.values()]
 
     def add(self, rec: PageRec) -> None:
         key = rec.key

@@ -33,7 +33,7 @@ class Machine:
     """The modelled node: disk and PCIe bandwidth, effective prefill FLOP/s."""
 
     nvme_gbps: float = 6.0
-    nvme_write_gbps: float = 3.0
+    nvme_write_gbps: float = 12.0
     pcie_gbps: float = 25.0
     tflops: float = 400.0
     nvme_latency_s: float = 1e-4

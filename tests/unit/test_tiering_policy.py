@@ -157,20 +157,21 @@ def test_depth_buckets() -> None:
 def test_tau_tightens_under_pressure_and_relaxes_after() -> None:
     tau = TauController(0.0)
     for _ in range(20):
+        tau.on_evict(2, 1e-9)
         tau.on_evict(1, 1e-9)
     for second in range(20):
-        tau.update(float(second), (0.0, 0.97, 0.5), 0.90, 0.85, 0.0)
-    assert tau.tau[1] == pytest.approx(1e-9, rel=0.2)  # gain saturates at 1
-    assert tau.tau[0] == 0.0 and tau.tau[2] == 0.0
-    high = tau.tau[1]
-    assert not tau.update(19.5, (0.0, 0.97, 0.5), 0.90, 0.85, 0.0)  # once per second
-    for second in range(20, 40):
-        tau.update(float(second), (0.0, 0.5, 0.5), 0.90, 0.85, 0.0)
-    assert tau.tau[1] == 0.0 < high
+        tau.update(float(second), (0.97, 0.97, 0.97), 0.90, 0.85, 0.0)
+    assert tau.tau[2] == pytest.approx(2e-9, rel=0.2)  # gain saturates at 2 for NVMe
+    assert tau.tau[0] == 0.0 and tau.tau[1] == 0.0  # the memory tiers keep τ0
+    high = tau.tau[2]
+    assert not tau.update(19.5, (0.0, 0.0, 0.97), 0.90, 0.85, 0.0)  # once per second
+    for second in range(20, 60):
+        tau.update(float(second), (0.0, 0.0, 0.5), 0.90, 0.85, 0.0)
+    assert tau.tau[2] == 0.0 < high
     # Between the marks it holds: no oscillation.
-    for second in range(40, 45):
-        tau.update(float(second), (0.0, 0.88, 0.5), 0.90, 0.85, 0.0)
-    assert tau.tau[1] == 0.0
+    for second in range(60, 65):
+        tau.update(float(second), (0.0, 0.0, 0.88), 0.90, 0.85, 0.0)
+    assert tau.tau[2] == 0.0
 
 
 def test_tau_nvme_follows_the_write_budget() -> None:
