@@ -19,12 +19,13 @@ by the store on every read (R5): a failed read drops the page, never serves it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path as FsPath
 from typing import Any, NamedTuple
@@ -171,6 +172,9 @@ class TierManager:
         self._used = [0, 0, 0]  # bytes (slots x slot size for HBM/DRAM)
         self._leaving = [0, 0, 0]  # of which: demotions out of the tier in flight
         self._clean_dram = 0  # DRAM pages that also have their NVMe copy (free at once)
+        # The same pages, least recently used first: an allocation under pressure takes these
+        # (leaving DRAM makes no hole in a prefix while the NVMe copy stays).
+        self._clean_fifo: OrderedDict[bytes, PageRec] = OrderedDict()
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
         self._count = [0, 0, 0]
         self._pages: dict[bytes, PageRec] = {}
@@ -186,6 +190,8 @@ class TierManager:
         self._base_recompute_per_byte = self.cost.recompute_s(config.tokens_per_page) / slot
         self._decay_per_s = math.log(2) / config.hit_half_life_s
         self._counters: dict[str, int] = {}
+        # (compute rate, recompute s by depth, transfer s by tier); reset by the fits.
+        self._vd_cache: tuple[float, dict[int, float], list[float]] | None = None
         self._latency: dict[str, list[float]] = {}
         self._hits = [0, 0, 0]
         self._misses = 0
@@ -231,6 +237,9 @@ class TierManager:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        # Completions may start copies (a waiting load, a write-through): let them run
+        # while the mover is open, so the last harvest below starts nothing.
+        self.drain()
         self._mover.close()
         with self._lock:
             self._harvest()
@@ -653,6 +662,8 @@ class TierManager:
                 self._write_over_budget(now),
             )
             for tier in (HBM, DRAM, NVME) if self._owned_hbm else (DRAM, NVME):
+                if tier == DRAM and self._clean_fifo:
+                    continue  # clean pages free a slot the moment one is wanted
                 if usage[tier] >= self.config.watermark_warn:
                     force = usage[tier] >= self.config.watermark_force
                     self._evict_to(tier, self.config.watermark_low, force=force)
@@ -693,12 +704,16 @@ class TierManager:
             time.sleep(0.0002)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait until nothing is in flight (tests, benchmarks, close)."""
+        """Wait until nothing is in flight and every completion is harvested (tests,
+        benchmarks, close)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                self._harvest()
+                # In flight before the harvest: a ticket that lands between the harvest
+                # and the check would otherwise be left unharvested.
                 busy = self._mover.in_flight_bytes() > 0
+                self._harvest()
+                busy = busy or self._mover.in_flight_bytes() > 0
             if not busy:
                 return True
             if time.monotonic() > deadline:
@@ -814,8 +829,23 @@ class TierManager:
         return per_byte / self._base_recompute_per_byte if self._base_recompute_per_byte else 1.0
 
     def _value_density(self, rec: PageRec, tier: int) -> float:
+        """Seed 001's VD with the recompute time per depth and the transfer time per
+        tier cached (for full pages) until a fit or ``observe_prefill`` moves them."""
         p = self._reuse.p(rec.depth, rec.reused, rec.tag)
-        return self.cost.value_density(p, rec.depth, rec.nbytes, tier)
+        nbytes = rec.nbytes
+        if nbytes != self.config.page_bytes or rec.tokens != self.config.tokens_per_page:
+            return self.cost.value_density(p, rec.depth, nbytes, tier)
+        cache = self._vd_cache
+        if cache is None or cache[0] != self._compute.flops_per_s:
+            cache = self._vd_cache = (self._compute.flops_per_s, {}, [-1.0, -1.0, -1.0])
+        transfer = cache[2]
+        if transfer[tier] < 0:
+            transfer[tier] = self.cost.transfer_s(tier, nbytes)
+        recompute = cache[1].get(rec.depth)
+        if recompute is None:
+            tokens = rec.tokens
+            recompute = cache[1][rec.depth] = self.cost.recompute_s(tokens, rec.depth * tokens)
+        return (p * recompute - transfer[tier]) / nbytes
 
     def _reuse_access(
         self, key: bytes, rec: PageRec | None, parent: bytes | None, tag: str
@@ -841,6 +871,8 @@ class TierManager:
             rec.deadline_s = ctx.deadline_s
         tiers = rec.tiers
         orders = self._orders
+        if tiers & 6 == 6:
+            self._clean_fifo.move_to_end(rec.key)  # least recently used clean page first
         if tiers & 1:
             orders[0].touch(rec)
         if tiers & 2:
@@ -851,35 +883,62 @@ class TierManager:
     # Only leaves of a tier (no resident child there) sit in its eviction order: the
     # order's head is then always a candidate, and "leaves first" costs nothing.
 
+    # A page "holds" its parent in tier t (the parent's resident_children[t]) while it
+    # is in t, not leaving t, and (for DRAM) dirty: a clean DRAM page can go without
+    # making a hole, so it never keeps its parent out of DRAM's order. Every change
+    # to a page's tiers or leaving bits goes through _changed, which settles the
+    # parent's counts, the orders and the clean list from the before/after masks.
+
+    def _holds(self, rec: PageRec) -> int:
+        held = rec.tiers & ~rec.leaving
+        if held & 2 and rec.tiers & 4:
+            held &= ~2
+        return held
+
+    def _changed(self, rec: PageRec, held_before: int, clean_before: bool) -> None:
+        clean = rec.tiers & 6 == 6
+        if clean != clean_before:
+            if clean:
+                self._clean_dram += 1
+                self._clean_fifo[rec.key] = rec
+                self._orders[DRAM].remove(rec)
+            else:
+                self._clean_dram -= 1
+                self._clean_fifo.pop(rec.key, None)
+                self._enter_order(rec, DRAM)
+        held = self._holds(rec)
+        if held != held_before and rec.parent is not None:
+            for tier in (HBM, DRAM, NVME):
+                bit = BIT[tier]
+                if held & bit and not held_before & bit:
+                    self._child_arrived(rec.parent, tier)
+                elif held_before & bit and not held & bit:
+                    self._child_gone(rec.parent, tier)
+
     def _set_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
         if rec.tiers & bit:
             return
+        held, clean = self._holds(rec), rec.tiers & 6 == 6
         rec.tiers |= bit
         self._count[tier] += 1
         self._used[tier] += self._tier_bytes(rec, tier)
-        if tier and rec.tiers & 6 == 6:
-            self._clean_dram += 1
-        if not rec.resident_children[tier]:
-            self._orders[tier].add(rec)
-        if rec.parent is not None:
-            self._child_arrived(rec.parent, tier)
+        self._enter_order(rec, tier)
+        self._changed(rec, held, clean)
 
     def _clear_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
         if not rec.tiers & bit:
             return
-        if tier and rec.tiers & 6 == 6:
-            self._clean_dram -= 1
+        held, clean = self._holds(rec), rec.tiers & 6 == 6
         rec.tiers &= ~bit
         self._count[tier] -= 1
         self._used[tier] -= self._tier_bytes(rec, tier)
         self._orders[tier].remove(rec)
         if rec.leaving & bit:
-            rec.leaving &= ~bit  # the parent's count went when the demotion began
+            rec.leaving &= ~bit
             self._leaving[tier] -= self._tier_bytes(rec, tier)
-        elif rec.parent is not None:
-            self._child_gone(rec.parent, tier)
+        self._changed(rec, held, clean)
         if tier == HBM and rec.hbm_slot >= 0:
             self._hbm.free(rec.hbm_slot)
             rec.hbm_slot = -1
@@ -900,28 +959,42 @@ class TierManager:
         if parent is None or parent.resident_children[tier] <= 0:
             return
         parent.resident_children[tier] -= 1
-        if not parent.resident_children[tier] and parent.tiers & BIT[tier]:
-            self._orders[tier].add(parent)
+        if not parent.resident_children[tier]:
+            self._enter_order(parent, tier)
+
+    def _enter_order(self, rec: PageRec, tier: int) -> None:
+        """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""
+        bit = BIT[tier]
+        if (
+            rec.tiers & bit
+            and not rec.leaving & bit
+            and not rec.resident_children[tier]
+            and rec.state is not PageState.WRITING
+            and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
+        ):
+            self._orders[tier].add(rec)
 
     def _leave(self, rec: PageRec, tier: int) -> None:
         """A demotion out of ``tier`` began: the parent may go in the same batch."""
         bit = BIT[tier]
         if rec.leaving & bit or not rec.tiers & bit:
             return
+        held, clean = self._holds(rec), rec.tiers & 6 == 6
         rec.leaving |= bit
         self._leaving[tier] += self._tier_bytes(rec, tier)
-        if rec.parent is not None:
-            self._child_gone(rec.parent, tier)
+        self._orders[tier].remove(rec)
+        self._changed(rec, held, clean)
 
     def _stay(self, rec: PageRec, tier: int) -> None:
         """A demotion out of ``tier`` did not happen: the page counts as resident again."""
         bit = BIT[tier]
         if not rec.leaving & bit:
             return
+        held, clean = self._holds(rec), rec.tiers & 6 == 6
         rec.leaving &= ~bit
         self._leaving[tier] -= self._tier_bytes(rec, tier)
-        if rec.parent is not None:
-            self._child_arrived(rec.parent, tier)
+        self._enter_order(rec, tier)
+        self._changed(rec, held, clean)
 
     def _tier_bytes(self, rec: PageRec, tier: int) -> int:
         if tier == NVME or (tier == HBM and not self._owned_hbm):
@@ -940,17 +1013,17 @@ class TierManager:
         admit = self._admission.admit
         tau = self._tau.tau
         if self._owned_hbm:
-            ok, _ = admit(rec, HBM, seen, tau[HBM])
+            ok = admit(rec, HBM, seen, tau[HBM])
             if ok:
                 slot = self._alloc(HBM)
                 if slot is not None:
                     rec.hbm_slot = slot
                     self._bump("admission:hbm:admitted")
                     return HBM, "admitted"
-        ok_dram, _ = admit(rec, DRAM, seen, tau[DRAM])
+        ok_dram = admit(rec, DRAM, seen, tau[DRAM])
         if not ok_dram and self.config.hbm == "engine":
             # The engine holds it in HBM; DRAM stages it for NVMe if NVMe wants it.
-            ok_dram = self._nvme_enabled and admit(rec, NVME, seen, tau[NVME])[0]
+            ok_dram = self._nvme_enabled and admit(rec, NVME, seen, tau[NVME])
         if not ok_dram:
             self._bump("admission:dram:below_tau")
             return None, "declined: value density below tau"
@@ -989,12 +1062,14 @@ class TierManager:
         the background."""
         arena = self._hbm if tier == HBM else self._dram
         batch = max(1, min(8, arena.slots // 16))
-        if tier == DRAM and self._clean_dram:
+        if tier == DRAM and self._clean_fifo:
             # Pages with their NVMe copy go at once; a write-back would free nothing now.
-            eligible = self._eligible(DRAM, False)
-            clean = self._orders[DRAM].victims(
-                batch, lambda r: r.tiers & 6 == 6 and eligible(r), 4 * batch + 256
-            )
+            clean = []
+            for rec in itertools.islice(self._clean_fifo.values(), 64):
+                if not rec.pins and not rec.waiters and rec.state is PageState.READY:
+                    clean.append(rec)
+                    if len(clean) >= batch:
+                        break
             for rec in clean:
                 self._clear_tier(rec, DRAM)
                 self._bump("evict:dram:clean")
@@ -1003,7 +1078,10 @@ class TierManager:
         self._evict_to(tier, None, force=False, batch=batch)
 
     def _evict_to(self, tier: int, low: float | None, *, force: bool, batch: int = _BATCH) -> int:
-        """Evict from ``tier`` down to ``low`` x capacity (None: one batch)."""
+        """Evict from ``tier`` down to ``low`` x capacity (None: one batch, for an
+        allocation that wants a slot now). Background eviction waits while the disk
+        has a second of writes queued; an urgent one drops the victim instead."""
+        urgent = force or low is None
         capacity = self._capacity[tier]
         if not capacity:
             return 0
@@ -1031,7 +1109,7 @@ class TierManager:
                 if tier == NVME:
                     self._evict_nvme(rec)
                 elif tier == DRAM:
-                    if not self._evict_dram(rec, now, writes):
+                    if not self._evict_dram(rec, now, writes, urgent):
                         blocked = True
                         break
                     self._batch_write_bytes += rec.nbytes if writes and writes[-1] is rec else 0
@@ -1048,8 +1126,7 @@ class TierManager:
 
     def _evict_hbm(self, rec: PageRec, now: float) -> bool:
         """Demote or drop one HBM victim; False when DRAM had no slot for it."""
-        ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])[0]
-        self._tau.on_evict(HBM, self._value_density(rec, HBM))
+        ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])
         if rec.in_tier(DRAM) or rec.in_tier(NVME):
             self._clear_tier(rec, HBM)
             self._bump("evict:hbm:clean")
@@ -1081,9 +1158,8 @@ class TierManager:
         self._bump("demotions")
         return True
 
-    def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec]) -> bool:
+    def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec], urgent: bool) -> bool:
         """Free, drop or queue for write-back one DRAM victim; False: paced, wait."""
-        self._tau.on_evict(DRAM, self._value_density(rec, DRAM))
         if rec.in_tier(NVME) or rec.in_tier(HBM):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:clean")
@@ -1100,7 +1176,7 @@ class TierManager:
             self._dropped(rec)
             return True
         seen = self._reuse.seen(rec.key)
-        ok = self._admission.admit(rec, NVME, seen, self._tau.tau[NVME])[0]
+        ok = self._admission.admit(rec, NVME, seen, self._tau.tau[NVME])
         if not ok:
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
@@ -1108,7 +1184,7 @@ class TierManager:
             self._dropped(rec)
             return True
         if self._write_paced():
-            if rec.retained:
+            if rec.retained or not urgent:
                 return False  # the disk has a second of writes queued: wait a cycle
             # Writes already queue a second deep: dropping the least valuable page
             # beats stalling DRAM (a stall declines new pages, and orphans their chains).
@@ -1126,7 +1202,7 @@ class TierManager:
         allocation under pressure frees a slot at once instead of declining: write
         back, without evicting, the lowest-ranked dirty pages NVMe admits."""
         cap = self._capacity[DRAM]
-        reserve = (self.config.watermark_warn - self.config.watermark_low) * cap
+        reserve = (1.0 - self.config.watermark_low) * cap
         want = int((reserve - self._clean_dram * self._slot_bytes) // self._slot_bytes)
         if want <= 0 or not self._nvme_enabled or self._emergency or self._write_paced():
             return
@@ -1373,8 +1449,15 @@ class TierManager:
                 continue
             kind = tag[0]
             seconds = ticket.seconds()
-            if seconds is not None and ticket.error is None and ticket.nbytes > 0:
-                self._bandwidth[ticket.path.value].observe(ticket.nbytes, seconds)
+            if seconds is not None and ticket.error is None and ticket.moved_bytes > 0:
+                fit = self._bandwidth[ticket.path.value]
+                before = (fit.rate, fit.latency_s)
+                fit.observe(ticket.moved_bytes, seconds)
+                moved = abs(fit.rate - before[0]) > 0.01 * before[0] or abs(
+                    fit.latency_s - before[1]
+                ) > 0.01 * max(before[1], 1e-9)
+                if moved:
+                    self._vd_cache = None
                 self._observe_latency(ticket.path, seconds)
             if kind == "offer":
                 self._offer_done(ticket, tag[1])
@@ -1413,6 +1496,7 @@ class TierManager:
                 self._forget_if_gone(rec)
                 continue
             rec.state = PageState.READY
+            self._enter_order(rec, tier)
             through = self.config.placement == "write_through" or rec.retained
             if self._nvme_enabled and tier == DRAM and through and self._admits_nvme(rec):
                 write_through.append(rec)
@@ -1422,7 +1506,7 @@ class TierManager:
             self._write_back(write_through, demote=False)
 
     def _admits_nvme(self, rec: PageRec) -> bool:
-        return self._admission.admit(rec, NVME, self._reuse.seen(rec.key), self._tau.tau[NVME])[0]
+        return self._admission.admit(rec, NVME, self._reuse.seen(rec.key), self._tau.tau[NVME])
 
     def _demote_done(self, ticket: Ticket, recs: list[PageRec]) -> None:
         for rec in recs:

@@ -190,20 +190,19 @@ class Admission:
         self.threshold = threshold
         self._value_density = value_density
 
-    def admit(self, rec: PageRec, tier: int, seen: int, tau: float) -> tuple[bool, float]:
-        """(admitted, the page's value density for ``tier``). Retained pages always
-        enter; HBM always takes a page the engine just computed."""
-        vd = self._value_density(rec, tier)
+    def admit(self, rec: PageRec, tier: int, seen: int, tau: float) -> bool:
+        """Retained pages always enter; HBM always takes a page the engine just
+        computed; otherwise the mode decides (value density only where asked)."""
         if rec.retained or tier == 0:
-            return True, vd
+            return True
         mode = self.mode
         if mode == "value_density":
-            return vd >= tau, vd
+            return self._value_density(rec, tier) >= tau
         if mode == "all":
-            return True, vd
+            return True
         if mode == "freq2":
-            return (seen >= 2 if tier == NVME else True), vd
-        return seen >= self.threshold, vd  # store_threshold:N, both lower tiers
+            return seen >= 2 if tier == NVME else True
+        return seen >= self.threshold  # store_threshold:N, both lower tiers
 
 
 class EvictionOrder(Protocol):

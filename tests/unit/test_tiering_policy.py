@@ -200,6 +200,6 @@ def test_admission_modes(mode: str, threshold: int, seen: int, expected: tuple[b
     vd = {0: 1.0, 1: 1.0, 2: -1.0}
     admission = Admission(mode, threshold, lambda r, t: vd[t])
     page = rec("a")
-    assert tuple(admission.admit(page, t, seen, 0.0)[0] for t in range(3)) == expected
+    assert tuple(admission.admit(page, t, seen, 0.0) for t in range(3)) == expected
     page.retained = True
-    assert all(admission.admit(page, t, seen, math.inf)[0] for t in range(3))
+    assert all(admission.admit(page, t, seen, math.inf) for t in range(3))
