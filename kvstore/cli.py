@@ -51,6 +51,7 @@ from kvstore.check import Finding, Findings, check_path, check_store
 from kvstore.errors import CorruptionError, KVStoreError, LockedError
 from kvstore.format.names import SUPERBLOCK_NAME
 from kvstore.store import KVStore
+from kvstore.tiering.sim_cli import sim as sim_command
 
 __all__ = ["main"]
 
@@ -919,6 +920,9 @@ def demo_writer(path: Path, layers: int, blocks: int) -> None:
 # `kvstore bench` lives with the benchmark code (kvstore/bench/); imported here so
 # `kvstore --help` lists it. Its heavy imports (matplotlib) happen only when it runs.
 main.add_command(bench_command)
+# `kvstore sim` lives with the simulator (kvstore/tiering/); torch and matplotlib load
+# only when it replays kvstore or plots.
+main.add_command(sim_command)
 
 
 if __name__ == "__main__":

@@ -329,3 +329,9 @@ def _coerce(key: str, value: str, current: object) -> Any:
         except ValueError:
             return value
     return value
+
+
+if __name__ == "__main__":
+    from kvstore.tiering.sim_cli import main
+
+    main()

@@ -1,0 +1,512 @@
+"""The ``sim`` click command: ``kvstore sim``, also ``python -m kvstore.tiering.sim``.
+
+It owns the command line only: reading or generating the trace, checking the
+options, the progress bar, the table, ``--json`` and ``--plot``. The replay and
+the JSON object are ``kvstore.tiering.sim.run``'s; ``--json`` prints that object
+unchanged, so the table and the JSON never disagree.
+
+The progress bar and, with ``--json``, the table go to stderr: stdout is then
+exactly one JSON document.
+
+Exit codes (the house's, kvstore/cli.py):
+    0  success
+    2  usage: a bad --capacity, --capacity-bytes, --policy, --model or machine
+       figure; TRACE and --generate both given, or neither
+    8  operational: the trace file is missing, unreadable or not a valid trace
+       (the message names the line and field), --out or --plot cannot be written
+
+With ``--json`` a failure prints ``{"error": {"type", "message"}, "exit_code"}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstore.errors import KVStoreError
+from kvstore.tiering.config import MODEL_PRESETS, ModelCost
+from kvstore.tiering.peers import POLICIES
+from kvstore.tiering.plots import FrontierNote, frontier_notes, is_kvstore, plot_results
+from kvstore.tiering.sim import Machine, kvstore_config, parse_overrides, run
+from kvstore.tiering.trace import (
+    DEFAULT_BLOCK_TOKENS,
+    GENERATOR_KINDS,
+    Request,
+    generate,
+    load_trace,
+    write_trace,
+)
+
+__all__ = [
+    "kvstore_verdict",
+    "main",
+    "parse_capacity",
+    "parse_capacity_bytes",
+    "render",
+    "sim",
+    "validate_policies",
+]
+
+_EXIT_USAGE = 2  # kvstore.cli's codes; imported from there only when failing (no cycle)
+_EXIT_OPERATIONAL = 8
+_UNATTENDED_WIDTH = 160  # a file or pipe has no width; 80 columns would wrap the table
+_MACHINE = Machine()
+_FRACTIONS = inspect.signature(run).parameters["capacity_fractions"].default
+
+
+class _OperationalError(Exception):
+    """A file could not be read or written; exit 8 (the ``OSError``'s text is kept)."""
+
+
+# -- option parsing ----------------------------------------------------------
+
+
+def parse_capacity(text: str) -> tuple[float, float, float]:
+    """``"0.02,0.1,0.5"`` -> fractions of the trace's unique blocks (HBM, DRAM, NVMe)."""
+    parts = _three(text, "--capacity")
+    fractions = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--capacity {text!r}: {part!r} is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--capacity {text!r}: fractions must be finite and >= 0, got {part}")
+        fractions.append(value)
+    return fractions[0], fractions[1], fractions[2]
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_capacity_bytes(text: str) -> tuple[int, int, int]:
+    """``"1GiB,16GiB,1TB"`` -> bytes per tier; K/M/G/T and KiB.. are powers of 1024,
+    KB/MB/GB/TB powers of 1000, a bare number is bytes."""
+    parts = _three(text, "--capacity-bytes")
+    sizes = []
+    for part in parts:
+        match = _SIZE.match(part)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"--capacity-bytes {text!r}: {part!r} is not a size "
+                "(a number of bytes, or with a unit: KiB MiB GiB TiB, KB MB GB TB)"
+            )
+        sizes.append(math.floor(float(match.group(1)) * _UNITS[unit]))
+    return sizes[0], sizes[1], sizes[2]
+
+
+def _three(text: str, option: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"{option} {text!r}: need three comma-separated values: HBM,DRAM,NVMe")
+    return parts
+
+
+def validate_policies(
+    policies: Sequence[str], model: ModelCost, block_tokens: int, machine: Machine
+) -> list[str] | None:
+    """The policies to run, duplicates dropped; None for the default (every one).
+
+    A ``kvstore:KEY=VALUE,...`` variant is built into a ``TierConfig`` here, so a
+    field that does not exist or a value it refuses fails before any replay.
+    """
+    chosen: list[str] = []
+    for name in policies:
+        if name in chosen:
+            continue
+        if is_kvstore(name):
+            try:
+                overrides = parse_overrides(name)
+                kvstore_config((1, 1, 1), model, block_tokens, machine, overrides)
+            except (ValueError, TypeError) as e:
+                message = str(e)
+                if "--policy" not in message:
+                    message = f"--policy {name!r}: {message}"
+                raise ValueError(message) from e
+        elif name not in POLICIES:
+            known = ", ".join([*POLICIES, "kvstore", "kvstore:FIELD=VALUE,..."])
+            raise ValueError(f"--policy {name!r}: unknown policy; known: {known}")
+        chosen.append(name)
+    return chosen or None
+
+
+def _positive(option: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{option} must be a finite number > 0, got {value}")
+
+
+# -- the trace -----------------------------------------------------------------
+
+
+def _requests(
+    trace_path: Path | None,
+    kind: str | None,
+    seed: int,
+    count: int,
+    limit: int | None,
+    block_tokens: int,
+    out: Path | None,
+) -> tuple[list[Request], str]:
+    """The requests to replay and the trace's name for the report."""
+    if (trace_path is None) == (kind is None):
+        raise ValueError("give a TRACE file or --generate KIND (one of the two)")
+    if out is not None and kind is None:
+        raise ValueError("--out saves a generated trace; it needs --generate")
+    if trace_path is not None:
+        try:
+            return load_trace(trace_path, limit=limit), str(trace_path)
+        except OSError as e:
+            raise _OperationalError(f"cannot read trace {trace_path}: {e.strerror or e}") from e
+    assert kind is not None
+    requests = generate(kind, seed=seed, requests=count, block_tokens=block_tokens)
+    if limit is not None:
+        requests = requests[:limit]
+    if out is not None:
+        try:
+            write_trace(requests, out)
+        except OSError as e:
+            raise _OperationalError(f"cannot write trace {out}: {e.strerror or e}") from e
+    return requests, f"generated:{kind}:seed={seed}:requests={len(requests)}"
+
+
+# -- output --------------------------------------------------------------------
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _bytes(count: int) -> str:
+    for scale, unit in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{count:,} B"
+
+
+def _names(names: Sequence[str], most: int = 2) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} +{len(names) - most} more"
+
+
+def _standing(note: FrontierNote) -> str:
+    if note.reference:
+        return "[dim]reference[/dim]"
+    if note.on_frontier:
+        return "[green]frontier[/green]"
+    return f"dominated by: {escape(_names(note.dominated_by))}"
+
+
+def kvstore_verdict(note: FrontierNote) -> str:
+    """One line on a kvstore variant against the peers' frontier (plain text)."""
+    if note.against_peers == "dominated":
+        return (
+            f"{note.policy} is below the peers' frontier: dominated by "
+            f"{', '.join(note.peers_dominating)} (as many hits or more, as few NVMe writes "
+            "or fewer)"
+        )
+    if note.against_peers == "above":
+        return (
+            f"{note.policy} is above the peers' frontier: it dominates "
+            f"{', '.join(note.peers_dominated)}"
+        )
+    return f"{note.policy} is on the peers' frontier: no peer dominates it"
+
+
+def render(document: Mapping[str, Any], console: Console) -> None:
+    """Print one run (``sim.run``'s object) as a table and the kvstore verdicts."""
+    results: list[Mapping[str, Any]] = list(document["results"])
+    notes = frontier_notes(results)
+    capacity = document["capacity_blocks"]
+    machine = document.get("machine", {})
+    console.print(
+        f"[bold]kvstore sim[/bold] {escape(str(document['trace']))}: "
+        f"{document['requests']:,} requests, {document['block_accesses']:,} block accesses, "
+        f"{document['unique_blocks']:,} unique blocks (an infinite cache hits "
+        f"{document.get('max_hit_ratio', 0.0):.1%}); capacity HBM {capacity[0]:,}, "
+        f"DRAM {capacity[1]:,}, NVMe {capacity[2]:,} blocks"
+        + (
+            f"; NVMe {machine['nvme_gbps']:g} GB/s, PCIe {machine['pcie_gbps']:g} GB/s, "
+            f"{machine['tflops']:g} TFLOP/s"
+            if machine
+            else ""
+        )
+    )
+    table = Table()
+    for column in (
+        "policy",
+        "hit ratio",
+        "HBM",
+        "DRAM",
+        "NVMe",
+        "NVMe writes",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "recomputed tokens",
+        "wall s",
+        "Pareto",
+    ):
+        left = column in ("policy", "Pareto")
+        table.add_column(column, justify="left" if left else "right", no_wrap=column == "policy")
+    for result, note in zip(results, notes, strict=True):
+        by_tier = result["hit_ratio_by_tier"]
+        name = escape(result["policy"])
+        table.add_row(
+            f"[bold red]{name}[/bold red]" if is_kvstore(result["policy"]) else name,
+            f"{result['hit_ratio']:.3f}",
+            f"{by_tier['hbm']:.3f}",
+            f"{by_tier['dram']:.3f}",
+            f"{by_tier['nvme']:.3f}",
+            f"{result['nvme_blocks_written']:,} ({_bytes(result['nvme_bytes_written'])})",
+            _milliseconds(result["ttft_p50_s"]),
+            _milliseconds(result["ttft_p99_s"]),
+            f"{result['recompute_tokens']:,}",
+            f"{result['wall_s']:.2f}",
+            _standing(note),
+        )
+    console.print(table)
+    peers = [n for n in notes if not n.reference and not is_kvstore(n.policy)]
+    for note in notes:
+        if note.against_peers is not None and peers:
+            console.print(escape(kvstore_verdict(note)), highlight=False)
+
+
+# -- the command ---------------------------------------------------------------
+
+
+@contextmanager
+def _failures(as_json: bool) -> Iterator[None]:
+    """Errors -> one line on stderr (and ``error_json`` with ``--json``), the house's
+    exit code: a trace file that is missing or bad, or an unwritable output, is
+    operational (8); an option the command refuses is a usage error (2)."""
+    try:
+        yield
+    except (KVStoreError, _OperationalError) as e:  # TraceError is a KVStoreError
+        _exit(e, _EXIT_OPERATIONAL, as_json)
+    except (ValueError, TypeError) as e:
+        _exit(e, _EXIT_USAGE, as_json)
+
+
+def _exit(error: BaseException, code: int, as_json: bool) -> NoReturn:
+    from kvstore.cli import error_json
+
+    Console(stderr=True).print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+    if as_json:
+        sys.stdout.write(json.dumps(error_json(error, code), indent=2) + "\n")
+    sys.exit(code)
+
+
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=_UNATTENDED_WIDTH)
+    return console
+
+
+@click.command("sim")
+@click.argument(
+    "trace_path", metavar="[TRACE]", required=False, type=click.Path(dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--generate",
+    "kind",
+    type=click.Choice(GENERATOR_KINDS),
+    help="Replay a synthetic trace of this kind instead of TRACE.",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of --generate.")
+@click.option(
+    "--requests",
+    "request_count",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Requests of --generate.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also save the generated trace here (Mooncake JSONL).",
+)
+@click.option("--limit", type=click.IntRange(min=0), help="Replay only the first N requests.")
+@click.option(
+    "--block-tokens",
+    default=DEFAULT_BLOCK_TOKENS,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per block (hash_ids entry).",
+)
+@click.option(
+    "--model",
+    "model_name",
+    default="llama-3.1-8b",
+    show_default=True,
+    help=f"Model preset for KV bytes and prefill cost: {', '.join(MODEL_PRESETS)}.",
+)
+@click.option(
+    "--nvme-gbps", type=float, help=f"NVMe read bandwidth, GB/s [default: {_MACHINE.nvme_gbps:g}]."
+)
+@click.option(
+    "--pcie-gbps",
+    type=float,
+    help=f"PCIe bandwidth each way, GB/s [default: {_MACHINE.pcie_gbps:g}].",
+)
+@click.option(
+    "--tflops", type=float, help=f"Effective prefill TFLOP/s [default: {_MACHINE.tflops:g}]."
+)
+@click.option(
+    "--capacity",
+    help="HBM,DRAM,NVMe capacities as fractions of the trace's unique blocks "
+    f"(floored to blocks) [default: {','.join(f'{f:g}' for f in _FRACTIONS)}].",
+)
+@click.option(
+    "--capacity-bytes",
+    help="HBM,DRAM,NVMe capacities in bytes, e.g. 4GiB,64GiB,1TB (instead of --capacity).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="A policy to replay (repeatable; default: every peer model and kvstore). "
+    "kvstore:FIELD=VALUE[,FIELD=VALUE] is the manager with TierConfig fields overridden.",
+)
+@click.option("--json", "as_json", is_flag=True, help="JSON on stdout; the table goes to stderr.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a PNG: hit ratio against NVMe writes with the Pareto frontier, and "
+    "hit ratio by tier.",
+)
+def sim(
+    trace_path: Path | None,
+    kind: str | None,
+    seed: int,
+    request_count: int,
+    out: Path | None,
+    limit: int | None,
+    block_tokens: int,
+    model_name: str,
+    nvme_gbps: float | None,
+    pcie_gbps: float | None,
+    tflops: float | None,
+    capacity: str | None,
+    capacity_bytes: str | None,
+    policies: tuple[str, ...],
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Replay a trace through the tier manager and the peers' policies.
+
+    TRACE is a Mooncake-format JSONL file (timestamp ms, input_length,
+    output_length, hash_ids); or --generate KIND makes one. Every policy sees
+    the same requests, capacities and machine; the real TierManager runs on the
+    fake mover and a virtual clock. Hit ratios are fractions of all block
+    accesses. The Pareto column compares hit ratio against NVMe bytes written
+    (the reference models infinite and recompute stay out of it).
+
+    \b
+    Exit codes:
+      0  success
+      2  a bad option (--capacity, --capacity-bytes, --policy, --model, ...)
+      8  the trace file is missing or invalid; --out or --plot not writable
+    """
+    table_console = _console(stderr=as_json)
+    with _failures(as_json):
+        model = ModelCost.preset(model_name)
+        for option, value in (
+            ("--nvme-gbps", nvme_gbps),
+            ("--pcie-gbps", pcie_gbps),
+            ("--tflops", tflops),
+        ):
+            _positive(option, value)
+        machine = Machine(
+            nvme_gbps=_MACHINE.nvme_gbps if nvme_gbps is None else nvme_gbps,
+            pcie_gbps=_MACHINE.pcie_gbps if pcie_gbps is None else pcie_gbps,
+            tflops=_MACHINE.tflops if tflops is None else tflops,
+        )
+        if capacity is not None and capacity_bytes is not None:
+            raise ValueError("give --capacity or --capacity-bytes, not both")
+        capacity_kwargs: dict[str, Any] = {}
+        if capacity_bytes is not None:
+            capacity_kwargs["capacity_bytes"] = parse_capacity_bytes(capacity_bytes)
+        elif capacity is not None:
+            capacity_kwargs["capacity_fractions"] = parse_capacity(capacity)
+        chosen = validate_policies(policies, model, block_tokens, machine)
+        requests, trace_name = _requests(
+            trace_path, kind, seed, request_count, limit, block_tokens, out
+        )
+        total = len(chosen) if chosen else len(POLICIES) + 1
+        progress_console = Console(stderr=True)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=progress_console,
+            transient=True,
+            disable=not progress_console.is_terminal,
+        ) as progress:
+            task = progress.add_task("replaying", total=total)
+            started = [0]
+
+            def on_policy(name: str) -> None:
+                if started[0]:
+                    progress.advance(task)
+                started[0] += 1
+                progress.update(task, description=f"replaying {name}")
+
+            document = run(
+                requests,
+                model=model,
+                block_tokens=block_tokens,
+                machine=machine,
+                policies=chosen,
+                trace_name=trace_name,
+                progress=on_policy,
+                **capacity_kwargs,
+            )
+            progress.update(task, completed=total)
+        if plot is not None:
+            try:
+                plot_results(document, plot)
+            except OSError as e:
+                raise _OperationalError(f"cannot write plot {plot}: {e.strerror or e}") from e
+    render(document, table_console)
+    if plot is not None:
+        table_console.print(f"wrote {escape(str(plot))}", highlight=False)
+    if as_json:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+
+
+def main() -> None:
+    """``python -m kvstore.tiering.sim``: the same command as ``kvstore sim``."""
+    sim()

@@ -1,0 +1,365 @@
+"""``kvstore sim`` (also ``python -m kvstore.tiering.sim``) on small generated traces.
+
+The ``--json`` object is exactly the issue's schema (plus ``max_hit_ratio`` and
+``machine`` at the top and ``details`` per result); the table marks the Pareto
+frontier of hit ratio against NVMe bytes written; ``--plot`` writes a PNG. Exit
+codes are the house's: 2 for an option the command refuses, 8 for a trace file
+that is missing or invalid; with ``--json`` a failure prints the error object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from kvstore.cli import main
+from kvstore.tiering.config import MODEL_PRESETS
+from kvstore.tiering.peers import POLICIES
+from kvstore.tiering.plots import FrontierNote, frontier_notes, pareto_frontier
+from kvstore.tiering.sim_cli import kvstore_verdict, parse_capacity, parse_capacity_bytes
+from kvstore.tiering.trace import generate, load_trace, trace_facts, write_trace
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+REQUESTS = 300
+SEED = 1
+PAGE_8B = 512 * MODEL_PRESETS["llama-3.1-8b"].kv_bytes_per_token  # 64 MiB, 4 KiB aligned
+
+TOP_KEYS = {"trace", "requests", "block_accesses", "unique_blocks", "capacity_blocks", "results"}
+TOP_EXTRA = {"max_hit_ratio", "machine"}
+RESULT_KEYS = {
+    "policy",
+    "hit_ratio",
+    "hit_ratio_by_tier",
+    "nvme_blocks_written",
+    "nvme_bytes_written",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "recompute_tokens",
+    "wall_s",
+}
+
+
+def sim(*args: str) -> Result:
+    return CliRunner().invoke(main, ["sim", *args], env={"COLUMNS": "260"})
+
+
+def json_of(result: Result) -> Any:
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sim") / "mixed.jsonl"
+    write_trace(generate("mixed", seed=SEED, requests=REQUESTS), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def full_run() -> Result:
+    """Every policy (the default) on the generated trace, with --json."""
+    result = sim("--generate", "mixed", "--requests", str(REQUESTS), "--seed", str(SEED), "--json")
+    assert result.exit_code == 0, result.output
+    return result
+
+
+# -- the JSON object -------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def test_json_is_the_issue_schema(full_run: Result) -> None:
+    document = json_of(full_run)  # stdout is exactly one JSON document
+    assert TOP_KEYS <= set(document) <= TOP_KEYS | TOP_EXTRA
+    assert document["trace"] == f"generated:mixed:seed={SEED}:requests={REQUESTS}"
+    facts = trace_facts(generate("mixed", seed=SEED, requests=REQUESTS))
+    assert (document["requests"], document["block_accesses"], document["unique_blocks"]) == (
+        facts.requests,
+        facts.block_accesses,
+        facts.unique_blocks,
+    )
+    unique = facts.unique_blocks
+    assert document["capacity_blocks"] == [unique * 2 // 100, unique // 10, unique // 2]
+    assert [r["policy"] for r in document["results"]] == [*POLICIES, "kvstore"]
+    accesses = document["block_accesses"]
+    for result in document["results"]:
+        extra = set(result) - RESULT_KEYS
+        assert set(result) >= RESULT_KEYS and extra <= {"details"}, result["policy"]
+        by_tier = result["hit_ratio_by_tier"]
+        assert set(by_tier) == {"hbm", "dram", "nvme"}
+        for key in ("nvme_blocks_written", "nvme_bytes_written", "recompute_tokens"):
+            assert _is_int(result[key]), (result["policy"], key)
+        for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "wall_s"):
+            assert isinstance(result[key], float) and math.isfinite(result[key])
+        # Fractions of all block accesses: whole blocks per tier, summing to the total.
+        for ratio in by_tier.values():
+            assert ratio * accesses == pytest.approx(round(ratio * accesses), abs=1e-6)
+        assert sum(by_tier.values()) == pytest.approx(result["hit_ratio"])
+        assert result["hit_ratio"] <= document["max_hit_ratio"] + 1e-12
+        assert result["nvme_bytes_written"] == result["nvme_blocks_written"] * PAGE_8B
+        assert result["ttft_p50_s"] <= result["ttft_p99_s"]
+    by_name = {r["policy"]: r for r in document["results"]}
+    assert by_name["infinite"]["hit_ratio"] == pytest.approx(document["max_hit_ratio"])
+    assert by_name["recompute"]["hit_ratio"] == 0.0
+    assert by_name["recompute"]["nvme_blocks_written"] == 0
+    assert "details" in by_name["kvstore"]
+    assert document["machine"]["nvme_gbps"] == 6.0
+
+
+def test_json_run_prints_the_table_on_stderr_with_the_frontier(full_run: Result) -> None:
+    document = json_of(full_run)
+    notes = frontier_notes(document["results"])
+    table = full_run.stderr
+    assert "Pareto" in table and "NVMe writes" in table
+    for note in notes:
+        row = next(line for line in table.splitlines() if line.startswith(f"│ {note.policy} "))
+        if note.reference:
+            assert "reference" in row
+        elif note.on_frontier:
+            assert "frontier" in row and "dominated" not in row
+        else:
+            assert f"dominated by: {note.dominated_by[0]}" in row
+    [kvstore] = [n for n in notes if n.policy == "kvstore"]
+    assert kvstore_verdict(kvstore) in table
+
+
+def test_generated_trace_saved_with_out_replays_the_same(tmp_path: Path) -> None:
+    saved = tmp_path / "saved.jsonl"
+    policies = ["--policy", "vllm", "--policy", "dynamo", "--json"]
+    first = sim("--generate", "multi-turn", "--requests", "120", "--out", str(saved), *policies)
+    assert first.exit_code == 0, first.output
+    assert load_trace(saved) == generate("multi-turn", seed=0, requests=120)
+    second = sim(str(saved), *policies)
+    assert second.exit_code == 0, second.output
+    a, b = json_of(first), json_of(second)
+    assert b["trace"] == str(saved)
+    for document in (a, b):
+        for result in document["results"]:
+            del result["wall_s"]
+        del document["trace"]
+    assert a == b
+
+
+def test_limit_replays_the_first_requests(trace_file: Path) -> None:
+    result = sim(str(trace_file), "--limit", "50", "--policy", "lmcache", "--json")
+    assert result.exit_code == 0, result.output
+    document = json_of(result)
+    first = load_trace(trace_file)[:50]
+    assert document["requests"] == 50
+    assert document["block_accesses"] == sum(len(r.blocks) for r in first)
+    assert [r["policy"] for r in document["results"]] == ["lmcache"]
+
+
+def test_capacity_bytes_model_and_machine(trace_file: Path) -> None:
+    page_70b = 512 * MODEL_PRESETS["llama-3.1-70b"].kv_bytes_per_token  # 160 MiB
+    args = ["--model", "llama-3.1-70b", "--capacity-bytes", "320MiB,1600MiB,8GiB"]
+    machine = ["--nvme-gbps", "3", "--pcie-gbps", "10", "--tflops", "100"]
+    result = sim(str(trace_file), *args, *machine, "--policy", "lmcache", "--json")
+    assert result.exit_code == 0, result.output
+    document = json_of(result)
+    assert document["capacity_blocks"] == [2, 10, (8 << 30) // page_70b]
+    assert {k: document["machine"][k] for k in ("nvme_gbps", "pcie_gbps", "tflops")} == {
+        "nvme_gbps": 3.0,
+        "pcie_gbps": 10.0,
+        "tflops": 100.0,
+    }
+    [lmcache] = document["results"]
+    assert lmcache["nvme_blocks_written"] > 0
+    assert lmcache["nvme_bytes_written"] == lmcache["nvme_blocks_written"] * page_70b
+
+
+def test_capacity_fractions_and_kvstore_overrides(trace_file: Path) -> None:
+    result = sim(
+        str(trace_file),
+        "--capacity",
+        "0,0.29,1",
+        "--policy",
+        "kvstore",
+        "--policy",
+        "kvstore:eviction=lru,hysteresis_s=0",
+        "--policy",
+        "kvstore",  # a repeat runs once
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    document = json_of(result)
+    unique = document["unique_blocks"]
+    assert document["capacity_blocks"] == [0, math.floor(unique * 29 / 100), unique]
+    names = [r["policy"] for r in document["results"]]
+    assert names == ["kvstore", "kvstore:eviction=lru,hysteresis_s=0"]
+    for row in document["results"]:
+        assert row["hit_ratio_by_tier"]["hbm"] == 0.0  # no HBM tier
+
+
+@pytest.mark.skipif(not MOONCAKE_TRACE.exists(), reason=f"no Mooncake trace at {MOONCAKE_TRACE}")
+def test_a_slice_of_the_mooncake_trace() -> None:
+    result = sim(str(MOONCAKE_TRACE), "--limit", "200", "--policy", "vllm", "--json")
+    assert result.exit_code == 0, result.output
+    document = json_of(result)
+    assert document["requests"] == 200
+    assert document["block_accesses"] == sum(
+        len(r.blocks) for r in load_trace(MOONCAKE_TRACE, limit=200)
+    )
+
+
+# -- --plot ----------------------------------------------------------------------------------
+
+
+def test_plot_writes_a_png(trace_file: Path, tmp_path: Path) -> None:
+    png = tmp_path / "sim.png"
+    policies = ["vllm", "sglang-selective", "dynamo", "infinite", "recompute", "kvstore"]
+    args = [arg for name in policies for arg in ("--policy", name)]
+    result = sim(str(trace_file), "--limit", "120", *args, "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert f"wrote {png}" in result.stdout.replace("\n", "")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    failed = sim(str(trace_file), "--policy", "vllm", "--plot", str(tmp_path / "no" / "p.png"))
+    assert failed.exit_code == 8, failed.output
+    assert "cannot write plot" in failed.stderr
+
+
+# -- the Pareto frontier ---------------------------------------------------------------------
+
+
+def point(policy: str, hit_ratio: float, nvme_bytes: int) -> dict[str, Any]:
+    return {"policy": policy, "hit_ratio": hit_ratio, "nvme_bytes_written": nvme_bytes}
+
+
+def test_frontier_leaves_out_references_and_keeps_ties() -> None:
+    results = [
+        point("a", 0.5, 100),
+        point("b", 0.4, 10),
+        point("c", 0.4, 50),  # dominated by b (same hits, more writes)
+        point("d", 0.5, 100),  # a tie with a: both stay
+        point("infinite", 0.9, 0),  # would dominate everything
+        point("recompute", 0.0, 0),
+    ]
+    assert [r["policy"] for r in pareto_frontier(results)] == ["b", "a", "d"]
+    notes = {n.policy: n for n in frontier_notes(results)}
+    assert notes["c"] == FrontierNote("c", False, False, ("b",))
+    assert notes["infinite"].reference and not notes["infinite"].on_frontier
+    assert notes["a"].on_frontier and notes["a"].dominated_by == ()
+
+
+@pytest.mark.parametrize(
+    ("kvstore", "standing", "dominating", "dominated"),
+    [
+        (point("kvstore", 0.45, 20), "on", (), ()),  # between b and a
+        (point("kvstore", 0.5, 10), "above", (), ("b", "a")),  # fewest writes first
+        (point("kvstore", 0.3, 60), "dominated", ("b",), ()),
+        (point("kvstore", 0.3, 200), "dominated", ("a", "b"), ()),
+        (point("kvstore", 0.4, 10), "on", (), ()),  # equal to b: neither dominates
+    ],
+)
+def test_kvstore_against_the_peers_frontier(
+    kvstore: dict[str, Any], standing: str, dominating: tuple[str, ...], dominated: tuple[str, ...]
+) -> None:
+    peers = [point("a", 0.5, 100), point("b", 0.4, 10), point("infinite", 0.9, 0)]
+    note = frontier_notes([*peers, kvstore])[-1]
+    assert (note.against_peers, note.peers_dominating, note.peers_dominated) == (
+        standing,
+        dominating,
+        dominated,
+    )
+    verdict = kvstore_verdict(note)
+    assert {"on": "on the peers' frontier", "above": "above", "dominated": "below"}[
+        standing
+    ] in verdict
+
+
+# -- bad inputs ------------------------------------------------------------------------------
+
+
+def test_missing_and_invalid_trace_files_exit_8(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    result = sim(str(missing), "--json")
+    assert result.exit_code == 8
+    error = json_of(result)
+    assert error["exit_code"] == 8 and str(missing) in error["error"]["message"]
+    assert "Traceback" not in result.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [2]}\n'
+    )
+    result = sim(str(bad), "--json")
+    assert result.exit_code == 8
+    error = json_of(result)["error"]
+    assert error["type"] == "TraceError"
+    assert f"{bad}:2" in error["message"] and "'timestamp'" in error["message"]
+    result = sim(str(bad))  # without --json: one line on stderr, nothing on stdout
+    assert result.exit_code == 8 and result.stdout == "" and f"{bad}:2" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--capacity", "0.1,0.2"], "--capacity"),
+        (["--capacity", "a,0.1,0.2"], "'a' is not a number"),
+        (["--capacity", "-1,0.1,0.2"], ">= 0"),
+        (["--capacity", "nan,0.1,0.2"], "finite"),
+        (["--capacity-bytes", "1XB,1GiB,1GiB"], "'1XB' is not a size"),
+        (["--capacity", "0,0,1", "--capacity-bytes", "0,0,1"], "not both"),
+        (["--policy", "nope"], "'nope': unknown policy"),
+        (["--policy", "kvstore:nofield=1"], "'nofield=1' is not FIELD=VALUE"),
+        (["--policy", "kvstore:eviction=bogus"], "eviction must be one of"),
+        (["--policy", "kvstore:hysteresis_s=abc"], "--policy 'kvstore:hysteresis_s=abc'"),
+        (["--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+        (["--nvme-gbps", "0"], "--nvme-gbps must be"),
+        (["--tflops", "-3"], "--tflops must be"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_problem(
+    trace_file: Path, args: list[str], named: str
+) -> None:
+    result = sim(str(trace_file), *args, "--json")
+    assert result.exit_code == 2, result.output
+    error = json_of(result)
+    assert error["exit_code"] == 2 and named in error["error"]["message"]
+    assert "Traceback" not in result.output
+
+
+def test_trace_and_generate_are_one_or_the_other(trace_file: Path, tmp_path: Path) -> None:
+    assert "TRACE file or --generate" in sim().stderr
+    assert sim().exit_code == 2
+    assert sim(str(trace_file), "--generate", "mixed").exit_code == 2
+    result = sim(str(trace_file), "--out", str(tmp_path / "x.jsonl"))
+    assert result.exit_code == 2 and "needs --generate" in result.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+    assert sim("--generate", "nope").exit_code == 2  # click's choice
+
+
+def test_capacity_parsers() -> None:
+    assert parse_capacity(" 0.02, 0.1 ,0.5") == (0.02, 0.1, 0.5)
+    assert parse_capacity_bytes("1GiB,2gb,4096") == (1 << 30, 2 * 10**9, 4096)
+    assert parse_capacity_bytes("1.5K,0,.5MiB") == (1536, 0, 1 << 19)
+    with pytest.raises(ValueError, match="three"):
+        parse_capacity_bytes("1,2,3,4")
+
+
+# -- entry points ----------------------------------------------------------------------------
+
+
+def test_python_dash_m_help_and_kvstore_help() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.tiering.sim", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m kvstore.tiering.sim" in done.stdout and "--generate" in done.stdout
+    listing = CliRunner().invoke(main, ["--help"])
+    assert listing.exit_code == 0 and " sim " in listing.stdout
