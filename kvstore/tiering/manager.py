@@ -175,6 +175,9 @@ class TierManager:
         # The same pages, least recently used first: an allocation under pressure takes these
         # (leaving DRAM makes no hole in a prefix while the NVMe copy stays).
         self._clean_fifo: OrderedDict[bytes, PageRec] = OrderedDict()
+        # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
+        self._clean_hbm: OrderedDict[bytes, PageRec] = OrderedDict()
+        self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
         self._count = [0, 0, 0]
         self._pages: dict[bytes, PageRec] = {}
@@ -187,6 +190,8 @@ class TierManager:
         self._reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
         self._admission = Admission(mode, threshold, self._value_density)
         self._tau = TauController(config.tau_initial)
+        self._admit_epoch = 0  # bumped with every τ update: cached admissions expire
+        self._cost_ratios: dict[int, float] = {}  # by depth; a ratio, so C_eff cancels
         self._base_recompute_per_byte = self.cost.recompute_s(config.tokens_per_page) / slot
         self._decay_per_s = math.log(2) / config.hit_half_life_s
         self._counters: dict[str, int] = {}
@@ -654,19 +659,25 @@ class TierManager:
             now = self._now()
             self._check_emergency()
             usage = self._usage()
-            self._tau.update(
+            if self._tau.update(
                 now,
                 usage,
                 self.config.watermark_warn,
                 self.config.watermark_low,
                 self._write_over_budget(now),
-            )
-            for tier in (HBM, DRAM, NVME) if self._owned_hbm else (DRAM, NVME):
-                if tier == DRAM and self._clean_fifo:
-                    continue  # clean pages free a slot the moment one is wanted
+            ):
+                self._admit_epoch += 1
+            # Batch eviction only where a slot cannot be freed at once: a tier with
+            # clean pages (a copy below) frees one the moment it is wanted, and NVMe
+            # frees on allocation (a delete). See docs/tiering.md, "Eviction".
+            for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_fifo)):
+                if tier == HBM and not self._owned_hbm or clean_list:
+                    continue
                 if usage[tier] >= self.config.watermark_warn:
                     force = usage[tier] >= self.config.watermark_force
                     self._evict_to(tier, self.config.watermark_low, force=force)
+            if self._owned_hbm and usage[HBM] >= self.config.watermark_low:
+                self._predemote()
             if usage[DRAM] >= self.config.watermark_low:
                 self._preclean()
             self._retry_fetches()
@@ -825,6 +836,15 @@ class TierManager:
         return sum(360 + len(k) for k in self._pages)
 
     def _cost_ratio(self, rec: PageRec) -> float:
+        """Φ's cost term: recompute time per byte against a full root page's."""
+        if rec.tokens == self.config.tokens_per_page and rec.nbytes == self.config.page_bytes:
+            ratio = self._cost_ratios.get(rec.depth)
+            if ratio is None:
+                ratio = self._cost_ratios[rec.depth] = self._compute_cost_ratio(rec)
+            return ratio
+        return self._compute_cost_ratio(rec)
+
+    def _compute_cost_ratio(self, rec: PageRec) -> float:
         per_byte = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens) / max(rec.nbytes, 1)
         return per_byte / self._base_recompute_per_byte if self._base_recompute_per_byte else 1.0
 
@@ -873,6 +893,8 @@ class TierManager:
         orders = self._orders
         if tiers & 6 == 6:
             self._clean_fifo.move_to_end(rec.key)  # least recently used clean page first
+        if tiers & 1 and tiers & 6 and self._owned_hbm:
+            self._clean_hbm.move_to_end(rec.key)
         if tiers & 1:
             orders[0].touch(rec)
         if tiers & 2:
@@ -893,9 +915,19 @@ class TierManager:
         held = rec.tiers & ~rec.leaving
         if held & 2 and rec.tiers & 4:
             held &= ~2
+        if held & 1 and rec.tiers & 6:
+            held &= ~1
         return held
 
     def _changed(self, rec: PageRec, held_before: int, clean_before: bool) -> None:
+        if self._owned_hbm:
+            hbm_clean = rec.tiers & 1 and rec.tiers & 6
+            if hbm_clean and rec.key not in self._clean_hbm:
+                self._clean_hbm[rec.key] = rec
+                self._orders[HBM].remove(rec)
+            elif not hbm_clean and rec.key in self._clean_hbm:
+                del self._clean_hbm[rec.key]
+                self._enter_order(rec, HBM)
         clean = rec.tiers & 6 == 6
         if clean != clean_before:
             if clean:
@@ -971,6 +1003,7 @@ class TierManager:
             and not rec.resident_children[tier]
             and rec.state is not PageState.WRITING
             and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
+            and not (tier == HBM and rec.tiers & 6)  # a copy below: in the HBM clean list
         ):
             self._orders[tier].add(rec)
 
@@ -1062,17 +1095,18 @@ class TierManager:
         the background."""
         arena = self._hbm if tier == HBM else self._dram
         batch = max(1, min(8, arena.slots // 16))
-        if tier == DRAM and self._clean_fifo:
-            # Pages with their NVMe copy go at once; a write-back would free nothing now.
+        clean_list = self._clean_hbm if tier == HBM else self._clean_fifo
+        if clean_list:
+            # Pages with a copy below go at once; a demotion would free nothing now.
             clean = []
-            for rec in itertools.islice(self._clean_fifo.values(), 64):
+            for rec in itertools.islice(clean_list.values(), 64):
                 if not rec.pins and not rec.waiters and rec.state is PageState.READY:
                     clean.append(rec)
                     if len(clean) >= batch:
                         break
             for rec in clean:
-                self._clear_tier(rec, DRAM)
-                self._bump("evict:dram:clean")
+                self._clear_tier(rec, tier)
+                self._bump(f"evict:{TIER_NAMES[tier]}:clean")
             if clean:
                 return
         self._evict_to(tier, None, force=False, batch=batch)
@@ -1104,6 +1138,7 @@ class TierManager:
             if not victims:
                 break
             writes: list[PageRec] = []
+            demoted: list[PageRec] = []
             blocked = False
             for rec in victims:
                 if tier == NVME:
@@ -1113,18 +1148,20 @@ class TierManager:
                         blocked = True
                         break
                     self._batch_write_bytes += rec.nbytes if writes and writes[-1] is rec else 0
-                elif not self._evict_hbm(rec, now):
+                elif not self._evict_hbm(rec, now, demoted):
                     blocked = True  # DRAM has no room yet: the rest waits a cycle
                     break
                 done += 1
             self._batch_write_bytes = 0
             if writes:
                 self._write_back(writes, demote=True)
+            if demoted:
+                self._submit_demotions(demoted)
             if blocked or done >= want:
                 break
         return done
 
-    def _evict_hbm(self, rec: PageRec, now: float) -> bool:
+    def _evict_hbm(self, rec: PageRec, now: float, demoted: list[PageRec]) -> bool:
         """Demote or drop one HBM victim; False when DRAM had no slot for it."""
         ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])
         if rec.in_tier(DRAM) or rec.in_tier(NVME):
@@ -1145,18 +1182,23 @@ class TierManager:
         rec.state = PageState.EVICTING
         rec.demoted_at_s = now
         self._leave(rec, HBM)
-        ticket = self._mover.copy(
-            Path.D2H,
-            [(self._hbm.view(rec.hbm_slot, rec.nbytes), self._dram.view(slot, rec.nbytes))]
-            if not self._fake
-            else [],
-            priority=Priority.WRITEBACK,
-            tag=("demote", [rec]),
-            **({"nbytes": rec.nbytes} if self._fake else {}),
-        )
-        del ticket
-        self._bump("demotions")
+        demoted.append(rec)
         return True
+
+    def _submit_demotions(self, recs: list[PageRec], *, keep: bool = False) -> None:
+        """One D2H copy for a batch of HBM pages (their DRAM slots are taken); with
+        ``keep`` they stay in HBM too (a clean reserve), else they leave it."""
+        tag = ("demote", recs, keep)
+        if self._fake:
+            nbytes = sum(r.nbytes for r in recs)
+            self._mover.copy(Path.D2H, [], priority=Priority.WRITEBACK, tag=tag, nbytes=nbytes)
+        else:
+            pairs = [
+                (self._hbm.view(r.hbm_slot, r.nbytes), self._dram.view(r.dram_slot, r.nbytes))
+                for r in recs
+            ]
+            self._mover.copy(Path.D2H, pairs, priority=Priority.WRITEBACK, tag=tag)
+        self._bump("demotions", len(recs))
 
     def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec], urgent: bool) -> bool:
         """Free, drop or queue for write-back one DRAM victim; False: paced, wait."""
@@ -1175,9 +1217,7 @@ class TierManager:
             self._bump("emergency_evictions")
             self._dropped(rec)
             return True
-        seen = self._reuse.seen(rec.key)
-        ok = self._admission.admit(rec, NVME, seen, self._tau.tau[NVME])
-        if not ok:
+        if not self._admits_nvme(rec):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
             self._bump("admission:nvme:below_tau")
@@ -1196,6 +1236,31 @@ class TierManager:
         rec.demoted_at_s = now
         writes.append(rec)
         return True
+
+    def _predemote(self) -> None:
+        """Owned HBM: copy the lowest-ranked HBM pages to DRAM while they stay in HBM,
+        up to a reserve of (1 - low) of HBM, so an HBM allocation frees a slot at once."""
+        cap = self._capacity[HBM]
+        reserve = (1.0 - self.config.watermark_low) * cap
+        want = int((reserve - len(self._clean_hbm) * self._slot_bytes) // self._slot_bytes)
+        if want <= 0:
+            return
+        want = min(want, _BATCH)
+        eligible = self._eligible(HBM, True)
+        picked = self._orders[HBM].victims(want, eligible, 4 * want + 64)
+        copies: list[PageRec] = []
+        for rec in picked:
+            if not self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM]):
+                continue
+            slot = self._alloc(DRAM)
+            if slot is None:
+                break
+            rec.dram_slot = slot
+            rec.state = PageState.EVICTING  # readable from HBM while the copy runs
+            copies.append(rec)
+        if copies:
+            self._bump("predemoted", len(copies))
+            self._submit_demotions(copies, keep=True)
 
     def _preclean(self) -> None:
         """Keep a reserve of clean DRAM pages (the next victims, already on NVMe) so an
@@ -1240,8 +1305,11 @@ class TierManager:
     def _write_back(self, recs: list[PageRec], *, demote: bool) -> None:
         """DRAM -> NVMe for pages in DRAM; with ``demote`` the DRAM slot goes after."""
         nvme_need = sum(r.nbytes for r in recs)
-        if self._used[NVME] + nvme_need > self._capacity[NVME]:
-            self._evict_to(NVME, None, force=True, batch=max(8, len(recs)))
+        over = self._used[NVME] + self._nvme_reserved + nvme_need - self._capacity[NVME]
+        if over > 0:
+            # NVMe frees on allocation (a delete): exactly the room these writes need.
+            self._evict_to(NVME, None, force=True, batch=max(1, math.ceil(over / self._slot_bytes)))
+        self._nvme_reserved += nvme_need
         items = []
         sizes = []
         for rec in recs:
@@ -1462,7 +1530,7 @@ class TierManager:
             if kind == "offer":
                 self._offer_done(ticket, tag[1])
             elif kind == "demote":
-                self._demote_done(ticket, tag[1])
+                self._demote_done(ticket, tag[1], tag[2])
             elif kind == "write":
                 self._write_done(ticket, tag[1], tag[2])
             elif kind == "read":
@@ -1506,18 +1574,27 @@ class TierManager:
             self._write_back(write_through, demote=False)
 
     def _admits_nvme(self, rec: PageRec) -> bool:
-        return self._admission.admit(rec, NVME, self._reuse.seen(rec.key), self._tau.tau[NVME])
+        """NVMe admission, decided once per admission epoch (τ's period) per page."""
+        if rec.admit_epoch == self._admit_epoch:
+            return rec.admit_nvme
+        ok = self._admission.admit(rec, NVME, self._reuse.seen(rec.key), self._tau.tau[NVME])
+        rec.admit_epoch = self._admit_epoch
+        rec.admit_nvme = ok
+        return ok
 
-    def _demote_done(self, ticket: Ticket, recs: list[PageRec]) -> None:
+    def _demote_done(self, ticket: Ticket, recs: list[PageRec], keep: bool) -> None:
         for rec in recs:
             if ticket.error is not None:
                 self._dram.free(rec.dram_slot)
                 rec.dram_slot = -1
                 rec.state = PageState.READY
                 self._stay(rec, HBM)
+                self._enter_order(rec, HBM)
                 continue
             rec.state = PageState.READY
             self._set_tier(rec, DRAM)
+            if keep:
+                continue  # now clean in HBM: freed at once when a slot is wanted
             if rec.pins == 0 and not rec.waiters:
                 self._clear_tier(rec, HBM)
             else:
@@ -1530,6 +1607,7 @@ class TierManager:
         now = self._now()
         for index, rec in enumerate(recs):
             stored = ticket.error is None and results is not None and results[index]
+            self._nvme_reserved -= rec.nbytes
             rec.state = PageState.READY
             if stored:
                 self._nvme_written[0] += 1
@@ -1633,42 +1711,42 @@ class TierManager:
         self._bump("restart:pages_rebuilt", len(found))
 
     def _load_stats(self) -> None:
+        """The persisted statistics, all or nothing. Statistics are a cache: a file that
+        fails any check (torn, garbage, a rate of 0, a short list) is treated as absent
+        and costs warm-up, never the open, a half-applied state or a later raise."""
         path = self._stats_path
         if path is None or not path.exists():
             return
         try:
-            data = json.loads(path.read_text())
-            if data.get("version") != STATS_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {STATS_VERSION}")
-            self._reuse.load_json(data["reuse"])
-            self._tau.load_json(data["tau"])
-            for name, fit in data["bandwidth"].items():
-                if name in self._bandwidth:
-                    bw = self._bandwidth[name]
-                    bw.rate = float(fit["bytes_per_s"])
-                    bw.latency_s = float(fit["latency_s"])
-            self._compute.flops_per_s = float(data["compute_flops"])
-            now = self._now()
-            heat = []
-            for hex_key, hits, age_s in data["heat"]:
-                rec = self._pages.get(bytes.fromhex(hex_key))
-                if rec is None:
-                    continue
-                rec.hits = float(hits)
-                rec.last_access_s = now - float(age_s)
-                rec.reused = rec.hits >= 1
-                for tier in range(3):
-                    if rec.in_tier(tier):
-                        self._orders[tier].touch(rec)
-                heat.append(rec)
-            if self.config.warm_dram_on_open:
-                heat.sort(key=lambda r: -r.hits)
-                self._warm.extend(r.key for r in heat)
-            self._bump("restart:stats_loaded")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            # Statistics are a cache: a damaged file costs warm-up, never the open.
+            parsed = _parse_stats(json.loads(path.read_text()), str(path))
+        except (OSError, ValueError, RecursionError, KVStoreError) as e:
             self._bump("restart:stats_unreadable")
             self._stats_error = f"{path}: {e}"
+            return
+        self._reuse.load_json(parsed.reuse)
+        self._tau.load_json(parsed.tau)
+        for name, (rate, latency_s) in parsed.bandwidth.items():
+            if name in self._bandwidth:
+                self._bandwidth[name].rate = rate
+                self._bandwidth[name].latency_s = latency_s
+        self._compute.flops_per_s = parsed.compute_flops
+        now = self._now()
+        heat = []
+        for key, hits, age_s in parsed.heat:
+            rec = self._pages.get(key)
+            if rec is None:
+                continue
+            rec.hits = hits
+            rec.last_access_s = now - age_s
+            rec.reused = rec.hits >= 1
+            for tier in range(3):
+                if rec.in_tier(tier):
+                    self._orders[tier].touch(rec)
+            heat.append(rec)
+        if self.config.warm_dram_on_open:
+            heat.sort(key=lambda r: -r.hits)
+            self._warm.extend(r.key for r in heat)
+        self._bump("restart:stats_loaded")
 
     def _stats_snapshot(self) -> dict[str, Any]:
         now = self._now()
@@ -1774,6 +1852,60 @@ class TierManager:
         except Exception as e:  # a probe is a seed: a failure keeps the defaults
             self._bump("probe:failures")
             self._stats_error = f"probe: {e}"
+
+
+class _ParsedStats(NamedTuple):
+    """The statistics file's fields the manager applies, every one checked."""
+
+    reuse: list[list[object]]
+    tau: dict[str, list[float]]
+    bandwidth: dict[str, tuple[float, float]]  # path -> (bytes/s, latency s)
+    compute_flops: float
+    heat: list[tuple[bytes, float, float]]  # key, decayed hits, age s
+
+
+def _finite(value: object, *, positive: bool = False) -> bool:
+    """A finite number >= 0 (> 0 with ``positive``); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+def _parse_stats(data: object, where: str) -> _ParsedStats:
+    """``data`` checked before anything is applied: the shape by the reader's
+    ``check_stats``, then the values (rates and C_eff > 0, three finite τ values each,
+    hex keys). Raises ValueError or a ``KVStoreError`` naming ``where``."""
+    from kvstore.tiering.statsfile import check_stats
+
+    checked = check_stats(data, where)
+    reuse = checked["reuse"]
+    if not all(_finite(row[3]) and _finite(row[4]) for row in reuse):
+        raise ValueError(f"{where}: a reuse count is negative or not finite")
+    tau: dict[str, list[float]] = {}
+    for name in ("tau", "gain", "victim_vd"):
+        values = checked["tau"].get(name)
+        finite = isinstance(values, list) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            for v in values
+        )
+        if not finite or len(values) != 3:
+            raise ValueError(f"{where}: tau.{name} is not three finite numbers")
+        tau[name] = [float(v) for v in values]
+    bandwidth = {}
+    for name, fit in checked["bandwidth"].items():
+        rate, latency_s = fit["bytes_per_s"], fit["latency_s"]
+        if not (_finite(rate, positive=True) and _finite(latency_s)):
+            raise ValueError(f"{where}: bandwidth.{name} is not a rate > 0 and a latency >= 0")
+        bandwidth[name] = (float(rate), float(latency_s))
+    compute_flops = checked["compute_flops"]
+    if not _finite(compute_flops, positive=True):
+        raise ValueError(f"{where}: compute_flops {compute_flops!r} is not > 0")
+    heat = []
+    for hex_key, hits, age_s in checked["heat"]:
+        if not (isinstance(hex_key, str) and _finite(hits) and _finite(age_s)):
+            raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
+        heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
+    return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
 
 
 class _Waiter(NamedTuple):

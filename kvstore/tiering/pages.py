@@ -59,6 +59,8 @@ class PageRec:
     """One page's record. Slotted: the forest holds one per cached block."""
 
     __slots__ = (
+        "admit_epoch",
+        "admit_nvme",
         "deadline_s",
         "demoted_at_s",
         "depth",
@@ -108,6 +110,8 @@ class PageRec:
         self.tag = ""
         self.heap_version = 0
         self.waiters: list[object] | None = None
+        self.admit_epoch = -1  # the manager's admission epoch admit_nvme was decided in
+        self.admit_nvme = False
 
     def in_tier(self, tier: int) -> bool:
         return bool(self.tiers & BIT[tier])
