@@ -53,6 +53,8 @@ from kvstore.format.names import (
     LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
+    TIERING_STATS_NAME,
+    TIERING_STATS_TMP_NAME,
     WAL_DIR,
     parse_segment_name,
     parse_wal_name,
@@ -886,7 +888,15 @@ def _check_accounting(run: _Run) -> None:
 def _check_files(run: _Run) -> None:
     store = run.store
     root = store.root
-    expected_top = {SUPERBLOCK_NAME, LOCK_NAME, SEGMENTS_DIR, WAL_DIR, INDEX_DIR}
+    expected_top = {
+        SUPERBLOCK_NAME,
+        LOCK_NAME,
+        SEGMENTS_DIR,
+        WAL_DIR,
+        INDEX_DIR,
+        TIERING_STATS_NAME,
+        TIERING_STATS_TMP_NAME,
+    }
     with _writers_held(store), store._cond:
         while store._preparing:
             store._cond.wait()

@@ -11,6 +11,10 @@ SEGMENTS_DIR = "segments"
 WAL_DIR = "wal"
 INDEX_DIR = "index"
 CREATING_SUFFIX = ".creating"
+# The tier manager's statistics (docs/format.md, "Tier manager statistics") and its
+# temporary file during an atomic save.
+TIERING_STATS_NAME = "tiering-stats.json"
+TIERING_STATS_TMP_NAME = "tiering-stats.json.tmp"
 
 _SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
 _WAL_RE = re.compile(r"^([0-9a-f]{16})\.wal$")

@@ -31,6 +31,7 @@ from pathlib import Path as FsPath
 from typing import Any, NamedTuple
 
 from kvstore.errors import ClosedError, KVStoreError
+from kvstore.format.names import TIERING_STATS_NAME
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import Bandwidth, Compute, CostModel, make_bandwidths
@@ -56,7 +57,7 @@ from kvstore.tiering.results import (
 
 __all__ = ["STATS_FILE", "STATS_VERSION", "TierManager"]
 
-STATS_FILE = "tiering-stats.json"
+STATS_FILE = TIERING_STATS_NAME
 STATS_VERSION = 1
 META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: format 1)
 OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
@@ -671,7 +672,7 @@ class TierManager:
             # clean pages (a copy below) frees one the moment it is wanted, and NVMe
             # frees on allocation (a delete). See docs/tiering.md, "Eviction".
             for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_fifo)):
-                if tier == HBM and not self._owned_hbm or clean_list:
+                if (tier == HBM and not self._owned_hbm) or clean_list:
                     continue
                 if usage[tier] >= self.config.watermark_warn:
                     force = usage[tier] >= self.config.watermark_force

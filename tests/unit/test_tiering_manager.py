@@ -272,3 +272,15 @@ def test_closed_manager_refuses_calls() -> None:
 
     with pytest.raises(ClosedError):
         tm.lookup([b"a"])
+
+
+def test_fsck_accepts_the_tier_managers_statistics_file(tmp_path: Path) -> None:
+    from kvstore import KVStore
+
+    with TierManager.open(config(tmp_path)) as tm:
+        tm.offer([b"a"], [page(0)])
+        tm.drain()
+    assert (tmp_path / "nvme" / "tiering-stats.json").exists()
+    with KVStore.open(tmp_path / "nvme") as store:
+        report = store.check()
+    assert not [f for f in report if f.kind == "stray-file"], list(report)
