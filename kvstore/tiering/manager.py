@@ -504,6 +504,19 @@ class TierManager:
                         touched.append(rec)
                     if engine_hbm and not rec.in_tier(HBM):
                         self._set_tier(rec, HBM)
+                    elif (
+                        self._owned_hbm
+                        and not rec.tiers & 1
+                        and rec.state is PageState.READY
+                        and nbytes[i] == rec.nbytes
+                    ):
+                        # The engine holds it in HBM again (it loaded or recomputed
+                        # it): keep that copy too, as its GPU prefix cache would.
+                        slot = self._alloc(HBM)
+                        if slot is not None:
+                            rec.hbm_slot = slot
+                            copies.setdefault(Path.D2D, []).append((rec, views[i], None, HBM))
+                            self._bump("promotions:hbm")
                     tiers_out[i] = rec.top_tier()
                     reasons[i] = "present"
                     placed.add(key)
