@@ -1008,6 +1008,22 @@ class TierManager:
         if not parent.resident_children[tier]:
             self._enter_order(parent, tier)
 
+    def _busy(self, rec: PageRec, state: PageState) -> None:
+        """A copy in or out of the page starts: it is no one's victim until it lands
+        (so an order's head is always a candidate, never a page in flight)."""
+        if rec.state is PageState.READY:
+            for tier in (HBM, DRAM, NVME):
+                if rec.tiers & BIT[tier]:
+                    self._orders[tier].remove(rec)
+        rec.state = state
+
+    def _settle(self, rec: PageRec) -> None:
+        if rec.state is PageState.READY:
+            return
+        rec.state = PageState.READY
+        for tier in (HBM, DRAM, NVME):
+            self._enter_order(rec, tier)
+
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""
         bit = BIT[tier]
@@ -1015,7 +1031,7 @@ class TierManager:
             rec.tiers & bit
             and not rec.leaving & bit
             and not rec.resident_children[tier]
-            and rec.state is not PageState.WRITING
+            and rec.state is PageState.READY
             and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
             and not (tier == HBM and rec.tiers & 6)  # a copy below: in the HBM clean list
         ):
@@ -1193,7 +1209,7 @@ class TierManager:
             self._bump("evict:hbm:blocked")
             return False
         rec.dram_slot = slot
-        rec.state = PageState.EVICTING
+        self._busy(rec, PageState.EVICTING)
         rec.demoted_at_s = now
         self._leave(rec, HBM)
         demoted.append(rec)
@@ -1270,7 +1286,7 @@ class TierManager:
             if slot is None:
                 break
             rec.dram_slot = slot
-            rec.state = PageState.EVICTING  # readable from HBM while the copy runs
+            self._busy(rec, PageState.EVICTING)  # readable from HBM while the copy runs
             copies.append(rec)
         if copies:
             self._bump("predemoted", len(copies))
@@ -1327,7 +1343,7 @@ class TierManager:
         items = []
         sizes = []
         for rec in recs:
-            rec.state = PageState.EVICTING
+            self._busy(rec, PageState.EVICTING)
             if demote:
                 self._leave(rec, DRAM)
             meta = {
@@ -1417,7 +1433,7 @@ class TierManager:
             if slot is None:
                 break
             rec.dram_slot = slot
-            rec.state = PageState.LOADING
+            self._busy(rec, PageState.LOADING)
             recently = now - rec.demoted_at_s < self.config.hysteresis_s
             if recently:
                 self._bump("hysteresis")
@@ -1499,7 +1515,7 @@ class TierManager:
         recs = []
         nbytes = 0
         for rec, src, _, tier in reversed(items):  # the chain's tail enters oldest
-            rec.state = PageState.WRITING
+            self._busy(rec, PageState.WRITING)
             self._set_tier(rec, tier)
             recs.append((rec, tier))
             nbytes += rec.nbytes
@@ -1572,12 +1588,12 @@ class TierManager:
             if rec.state is not PageState.WRITING:
                 continue
             if ticket.error is not None:
-                rec.state = PageState.READY
+                self._settle(rec)
                 self._clear_tier(rec, tier)
                 self._bump("offer_failures")
                 self._forget_if_gone(rec)
                 continue
-            rec.state = PageState.READY
+            self._settle(rec)
             self._enter_order(rec, tier)
             through = self.config.placement == "write_through" or rec.retained
             if self._nvme_enabled and tier == DRAM and through and self._admits_nvme(rec):
@@ -1601,11 +1617,11 @@ class TierManager:
             if ticket.error is not None:
                 self._dram.free(rec.dram_slot)
                 rec.dram_slot = -1
-                rec.state = PageState.READY
+                self._settle(rec)
                 self._stay(rec, HBM)
                 self._enter_order(rec, HBM)
                 continue
-            rec.state = PageState.READY
+            self._settle(rec)
             self._set_tier(rec, DRAM)
             if keep:
                 continue  # now clean in HBM: freed at once when a slot is wanted
@@ -1622,7 +1638,7 @@ class TierManager:
         for index, rec in enumerate(recs):
             stored = ticket.error is None and results is not None and results[index]
             self._nvme_reserved -= rec.nbytes
-            rec.state = PageState.READY
+            self._settle(rec)
             if stored:
                 self._nvme_written[0] += 1
                 self._nvme_written[1] += rec.nbytes
@@ -1651,7 +1667,7 @@ class TierManager:
             got = None if ticket.error is not None or results is None else results[index]
             if rec.state is not PageState.LOADING:
                 continue
-            rec.state = PageState.READY
+            self._settle(rec)
             if not got or got != rec.nbytes:
                 # Missing or failed on NVMe: the page is gone there, never served.
                 self._dram.free(rec.dram_slot)
