@@ -631,6 +631,7 @@ class TierManager:
                 if rec is None or rec.pins == 0:
                     raise ValueError(f"page {raw!r} is not pinned")
                 rec.pins -= 1
+                self._forget_if_gone(rec)  # its last copy may have failed while pinned
 
     def retain(self, keys: Iterable[object]) -> list[bool]:
         """Freeze pages: admitted past τ, written to NVMe and retained there."""
@@ -1594,7 +1595,10 @@ class TierManager:
                 self._forget_if_gone(rec)
                 continue
             self._settle(rec)
-            self._enter_order(rec, tier)
+            if tier == HBM and rec.tiers & 2 and not rec.pins and not rec.waiters:
+                # Back in HBM: HBM and DRAM hold a page exclusively (its NVMe copy,
+                # if any, stays). The clean reserve makes its own DRAM copies.
+                self._clear_tier(rec, DRAM)
             through = self.config.placement == "write_through" or rec.retained
             if self._nvme_enabled and tier == DRAM and through and self._admits_nvme(rec):
                 write_through.append(rec)
