@@ -998,16 +998,12 @@ class TierManager:
         if parent is None:
             return
         parent.resident_children[tier] += 1
-        if parent.resident_children[tier] == 1 and parent.tiers & BIT[tier]:
-            self._orders[tier].remove(parent)
 
     def _child_gone(self, parent_key: bytes, tier: int) -> None:
         parent = self._pages.get(parent_key)
         if parent is None or parent.resident_children[tier] <= 0:
             return
         parent.resident_children[tier] -= 1
-        if not parent.resident_children[tier]:
-            self._enter_order(parent, tier)
 
     def _busy(self, rec: PageRec, state: PageState) -> None:
         """A copy in or out of the page starts: it is no one's victim until it lands
@@ -1031,7 +1027,6 @@ class TierManager:
         if (
             rec.tiers & bit
             and not rec.leaving & bit
-            and not rec.resident_children[tier]
             and rec.state is PageState.READY
             and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
             and not (tier == HBM and rec.tiers & 6)  # a copy below: in the HBM clean list
@@ -1277,8 +1272,8 @@ class TierManager:
         if want <= 0:
             return
         want = min(want, _BATCH)
-        eligible = self._eligible(HBM, True)
-        picked = self._orders[HBM].victims(want, eligible, 4 * want + 64)
+        # Copying down makes no hole: any settled, unpinned page will do, leaves or not.
+        picked = self._orders[HBM].victims(want, _copyable, 4 * want + 64)
         copies: list[PageRec] = []
         for rec in picked:
             if not self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM]):
@@ -1303,10 +1298,9 @@ class TierManager:
         if want <= 0 or not self._nvme_enabled or self._emergency or self._write_paced():
             return
         want = min(want, _BATCH)
-        eligible = self._eligible(DRAM, True)
 
         def dirty(rec: PageRec) -> bool:
-            return not rec.tiers & 5 and eligible(rec) and self._admits_nvme(rec)
+            return not rec.tiers & 5 and _copyable(rec) and self._admits_nvme(rec)
 
         picked = self._orders[DRAM].victims(want, dirty, 4 * want + 64)
         if picked:
@@ -1940,6 +1934,11 @@ def _parse_stats(data: object, where: str) -> _ParsedStats:
             raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
         heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
     return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
+
+
+def _copyable(rec: PageRec) -> bool:
+    """A page whose bytes may be copied to a lower tier now (cleaning, not evicting)."""
+    return not rec.pins and not rec.waiters and rec.state is PageState.READY
 
 
 class _Waiter(NamedTuple):

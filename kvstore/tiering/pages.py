@@ -10,10 +10,10 @@ open.
 Invariants (kept by the manager, under its lock):
 - ``tiers`` has bit ``1 << t`` set exactly while tier t holds a copy (or one is being
   written there, state WRITING).
-- ``resident_children[t]`` counts this page's children with tier t set and not
-  leaving it (``leaving``: a demotion out of t in flight): a page with a resident
-  child in a tier is not that tier's victim (leaves first), and a chain drains
-  from its tail one batch at a time, not one write completion at a time.
+- ``resident_children[t]`` counts this page's children that hold it in tier t: in t,
+  not leaving it (``leaving``: a demotion in flight), and with no copy below. A page
+  with such a child is not a victim of t (leaves first: removing its only copy would
+  orphan the child); copying it down (cleaning) is always allowed.
 - a page with ``pins > 0`` or a state other than READY is never a victim.
 """
 
