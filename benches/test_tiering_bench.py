@@ -1,0 +1,137 @@
+"""Micro-benchmarks of the tier manager's hot paths: lookup, offer, the load plan, a
+DRAM load. Each also asserts what it computed, so a broken path fails here rather
+than reporting a fast wrong answer. ``tools/bench_tiering.py`` has the same
+measurements beside their references and targets (docs/benchmarks.md).
+
+    .venv/bin/pytest benches/test_tiering_bench.py --benchmark-only
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from pytest_benchmark.fixture import BenchmarkFixture
+
+from kvstore.tiering import LookupState, ModelCost, TierConfig, TierManager
+
+MIB = 1 << 20
+PREFIX = 128
+# 128 KiB of K and V per token (Llama-3.1-8B): a page of 8 tokens is 1 MiB.
+MODEL = ModelCost(8.03e9, 32, 32, 128, 128 << 10)
+
+
+def fake_manager(dram_pages: int) -> TierManager:
+    """The fake mover: no bytes move, what is timed is the manager's bookkeeping."""
+    return TierManager.open(
+        TierConfig(
+            mover="fake",
+            control_interval_s=0,
+            probe_at_open=False,
+            nvme_bytes=1 << 50,
+            hbm_bytes=0,
+            dram_bytes=dram_pages * MIB,
+            page_bytes=MIB,
+            tokens_per_page=8,
+            model=MODEL,
+            admission="all",
+        )
+    )
+
+
+def chain(prefix: str) -> list[bytes]:
+    return [f"{prefix}/{i:05d}".encode() for i in range(PREFIX)]
+
+
+@pytest.fixture
+def resident() -> Iterator[tuple[TierManager, list[bytes]]]:
+    """A 128-page prefix resident in DRAM."""
+    tm = fake_manager(4 * PREFIX)
+    keys = chain("resident")
+    assert tm.offer(keys, None).admitted == PREFIX
+    tm.drain()
+    yield tm, keys
+    tm.close()
+
+
+def test_lookup_128_page_prefix(
+    benchmark: BenchmarkFixture, resident: tuple[TierManager, list[bytes]]
+) -> None:
+    tm, keys = resident
+    result = benchmark(tm.lookup, keys)
+    assert result.state is LookupState.READY
+    assert result.pages_by_tier == (0, PREFIX, 0)
+    assert result.plan.load_pages == PREFIX
+
+
+def test_plan_128_pages(
+    benchmark: BenchmarkFixture, resident: tuple[TierManager, list[bytes]]
+) -> None:
+    tm, _ = resident
+    cost = benchmark(tm.cost.plan, [1] * PREFIX, [MIB] * PREFIX, PREFIX * 8)
+    assert cost.load_pages == PREFIX
+    assert cost.ttft_s == cost.ttft_load_all_s < cost.ttft_recompute_s
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["free-slots", "full-dram"])
+def test_offer_128_page_chain(benchmark: BenchmarkFixture, full: bool) -> None:
+    """A fresh chain per round; the previous round's copies land outside the timing.
+    ``full-dram``: DRAM holds 8 chains and is full, so every offer evicts."""
+    rounds = 40
+    tm = fake_manager(8 * PREFIX if full else (rounds + 2) * PREFIX)
+    names = itertools.count()
+    if full:
+        for _ in range(16):
+            tm.offer(chain(f"fill{next(names)}"), None)
+            tm.drain()
+            tm.step()
+    admitted: list[int] = []
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tm.drain()
+        tm.step()
+        return (chain(f"offer{next(names)}"), None), {}
+
+    def offer(keys: list[bytes], srcs: None) -> None:
+        admitted.append(tm.offer(keys, srcs).admitted)
+
+    try:
+        benchmark.pedantic(offer, setup=setup, rounds=rounds, iterations=1)  # type: ignore[no-untyped-call]
+    finally:
+        tm.close()
+    assert admitted == [PREFIX] * rounds
+
+
+def test_dram_load_16_pages_cpu_mover(benchmark: BenchmarkFixture) -> None:
+    """lookup -> prepare_load -> wait -> complete_load of 16 MiB resident in DRAM."""
+    pages = 16
+    config = TierConfig(
+        hbm_bytes=0,
+        dram_bytes=(pages + 8) * MIB,
+        page_bytes=MIB,
+        tokens_per_page=8,
+        model=MODEL,
+        compute_flops=1e9,
+        admission="all",
+        probe_at_open=False,
+    )
+    generator = torch.Generator().manual_seed(3)
+    sources = [torch.randint(0, 256, (MIB,), dtype=torch.uint8, generator=generator)]
+    sources *= pages  # one random page, offered under 16 keys
+    keys = [f"load/{i}".encode() for i in range(pages)]
+    destinations = [torch.zeros(MIB, dtype=torch.uint8) for _ in range(pages)]
+    with TierManager.open(config) as tm:
+        assert tm.offer(keys, sources).hbm_release.wait(30)
+        tm.drain()
+
+        def load() -> int:
+            result = tm.lookup(keys)
+            handle = tm.prepare_load(result.plan, destinations)
+            assert handle.wait(30)
+            return tm.complete_load(handle)
+
+        assert benchmark(load) == pages
+    assert all(torch.equal(d, sources[0]) for d in destinations)
