@@ -194,30 +194,41 @@ class CostModel:
         tpp = self.tokens_per_page
         total_tokens = max(total_tokens, hit * tpp)
         rate = self.compute.flops_per_s
-        model = self.model
         bandwidth = self.bandwidth
+        # prefill_flops(total - loaded, loaded), expanded: one multiply-add per page.
+        two_n = 2.0 * self.model.n_params
+        half_a = 0.5 * self.model.attention_flops_per_token_context
+        total_sq = total_tokens * total_tokens
+        rec0 = (two_n * total_tokens + half_a * total_sq) / rate
+        best_pages, best_ttft, best_load, best_rec = 0, rec0, 0.0, rec0
+        ttft = rec0
         paths_seen: set[str] = set()
         load = 0.0
         waited = 0.0
-        best_pages, best_ttft, best_load, best_rec = 0, 0.0, 0.0, 0.0
-        rec0 = model.prefill_flops(total_tokens, 0) / rate
-        best_ttft = rec0
-        best_rec = rec0
-        ttft = rec0
+        overlap = self.layer_overlap
+        last_tier = -1
+        per_byte = 0.0
         for i in range(hit):
-            size = nbytes[i]
-            for path in LOAD_PATHS[tiers[i]]:
-                fit = bandwidth[path]
-                load += size / fit.rate
-                if path not in paths_seen:
-                    paths_seen.add(path)
-                    load += fit.latency_s
+            tier = tiers[i]
+            if tier != last_tier:  # a run of pages from one tier: its paths once
+                last_tier = tier
+                per_byte = 0.0
+                for path in LOAD_PATHS[tier]:
+                    fit = bandwidth[path]
+                    per_byte += 1.0 / fit.rate
+                    if path not in paths_seen:
+                        paths_seen.add(path)
+                        load += fit.latency_s
+            load += nbytes[i] * per_byte
             if extra_s is not None and extra_s[i] > waited:
                 waited = extra_s[i]
             loaded = (i + 1) * tpp
-            rec = model.prefill_flops(total_tokens - loaded, loaded) / rate
-            moving = max(load, waited)
-            ttft = max(moving, rec) if self.layer_overlap else moving + rec
+            rec = (two_n * (total_tokens - loaded) + half_a * (total_sq - loaded * loaded)) / rate
+            moving = load if load > waited else waited
+            if overlap:
+                ttft = moving if moving > rec else rec
+            else:
+                ttft = moving + rec
             if ttft < best_ttft:
                 best_pages, best_ttft, best_load, best_rec = i + 1, ttft, moving, rec
         return PlanCost(

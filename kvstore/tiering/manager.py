@@ -65,6 +65,7 @@ _HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
 _BATCH = 64  # pages per eviction batch at most
 _WARM_BATCH = 16
 _NO_CONTEXT = RequestContext()
+_TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 
 
 class _VirtualSlots:
@@ -295,7 +296,7 @@ class TierManager:
             pages = self._pages
             access = self._reuse.access
             tag = ctx.tag
-            hit_keys: list[bytes] = []
+            hit_recs: list[PageRec] = []
             tiers: list[int] = []
             sizes: list[int] = []
             extra: list[float] | None = None
@@ -307,24 +308,26 @@ class TierManager:
                 access(key, depth, tag, lookup=True)
                 if rec is None or not rec.tiers:
                     break
-                tier = rec.top_tier()
+                tier = _TOP_TIER[rec.tiers]
                 by_tier[tier] += 1
-                hit_keys.append(key)
+                hit_recs.append(rec)
                 tiers.append(tier)
                 sizes.append(rec.nbytes)
-                if rec.state is not PageState.READY and rec.state is not PageState.EVICTING:
+                page_state = rec.state
+                if page_state is not PageState.READY and page_state is not PageState.EVICTING:
                     if extra is None:
                         extra = [0.0] * (len(tiers) - 1)
                     extra.append(self._wait_estimate(rec))
                 elif extra is not None:
                     extra.append(0.0)
             # Leaves older than their parents at the same instant: chains go from the tail.
-            for key in reversed(hit_keys):
-                self._touch(pages[key], now, ctx)
+            touch = self._touch
+            for rec in reversed(hit_recs):
+                touch(rec, now, ctx)
             total = tokens if tokens is not None else ctx.tokens
             if total is None:
                 total = len(keys) * self.config.tokens_per_page
-            hit = len(hit_keys)
+            hit = len(hit_recs)
             self._lookups += 1
             self._misses += len(keys) - hit
             for tier in range(3):
@@ -344,15 +347,15 @@ class TierManager:
             state = LookupState.MISS if load == 0 else LookupState.READY
             if load:
                 pending = [
-                    pages[k]
-                    for k in hit_keys[:load]
-                    if pages[k].state is not PageState.READY or pages[k].top_tier() == NVME
+                    r
+                    for r in hit_recs[:load]
+                    if (r.state is PageState.READY and not r.tiers & 3)  # on NVMe only
+                    or (r.state is not PageState.READY and r.state is not PageState.EVICTING)
                 ]
-                pending = [r for r in pending if r.state is not PageState.EVICTING]
                 if pending:
                     state = LookupState.PENDING
                     self._fetch(pending, Priority.DEMAND, promote=True)
-            plan = LoadPlan(tuple(hit_keys), tuple(tiers), load, cost, reason)
+            plan = LoadPlan(tuple(r.key for r in hit_recs), tuple(tiers), load, cost, reason)
             return LookupResult(state, hit, (by_tier[0], by_tier[1], by_tier[2]), plan)
 
     def prepare_load(
@@ -727,6 +730,11 @@ class TierManager:
             else:
                 time.sleep(0.0002)
         else:
+            # Harvest here too: a copy that landed settles its handle now, not at the
+            # control thread's next cycle (up to control_interval_s later).
+            with self._lock:
+                if not self._closed:
+                    self._harvest()
             time.sleep(0.0002)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
@@ -1492,7 +1500,10 @@ class TierManager:
                 nbytes=nbytes,
             )
             return
-        pairs = [(src, dst[: src.numel()]) for _, src, dst in items]
+        pairs = [
+            (src, dst if dst.numel() == src.numel() else dst[: src.numel()])
+            for _, src, dst in items
+        ]
         ticket = self._mover.copy(
             path,
             pairs,
@@ -1962,6 +1973,9 @@ _LAYERS = {
 def _byte_view(tensor: Any, what: str) -> Any:
     import torch
 
+    if type(tensor) is torch.Tensor and tensor.dtype is torch.uint8 and tensor.dim() == 1:
+        if tensor.is_contiguous():
+            return tensor  # already a byte view: a new view object costs ~5 us
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, not {type(tensor).__name__}")
     if not tensor.is_contiguous():

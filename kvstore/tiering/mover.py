@@ -447,7 +447,7 @@ class _ThreadedMover(Mover):
                 if synchronize is not None:
                     synchronize()
             for src, dst in pairs:
-                dst[: src.numel()].copy_(src)
+                (dst if dst.numel() == src.numel() else dst[: src.numel()]).copy_(src)
             ticket.moved_bytes = ticket.nbytes
 
         return self._submit(self._copy_queue, path, nbytes, priority, tag, job)

@@ -68,8 +68,11 @@ class ReuseEstimator:
         the same request is not counted twice."""
         history = self._history
         entry = history.get(key)
+        bucket = depth.bit_length()  # depth_bucket, inlined: this runs once per page
+        if bucket >= _DEPTH_BUCKETS:
+            bucket = _DEPTH_BUCKETS - 1
         if entry is None:
-            history[key] = [1, (depth_bucket(depth), False, tag), True, lookup]
+            history[key] = [1, (bucket, False, tag), True, lookup]
             if len(history) > self._limit:
                 _, old = history.popitem(last=False)
                 if old[2]:
@@ -84,7 +87,9 @@ class ReuseEstimator:
             self._count(entry[1], reused=True)  # type: ignore[arg-type]
         count: int = entry[0] + 1  # type: ignore[operator]
         entry[0] = count
-        entry[1] = (depth_bucket(depth), True, tag)
+        cls = entry[1]
+        if cls[0] != bucket or not cls[1] or cls[2] != tag:  # type: ignore[index]
+            entry[1] = (bucket, True, tag)
         entry[2] = True
         return count
 
