@@ -225,10 +225,7 @@ class CostModel:
             loaded = (i + 1) * tpp
             rec = (two_n * (total_tokens - loaded) + half_a * (total_sq - loaded * loaded)) / rate
             moving = load if load > waited else waited
-            if overlap:
-                ttft = moving if moving > rec else rec
-            else:
-                ttft = moving + rec
+            ttft = (moving if moving > rec else rec) if overlap else moving + rec
             if ttft < best_ttft:
                 best_pages, best_ttft, best_load, best_rec = i + 1, ttft, moving, rec
         return PlanCost(

@@ -1973,9 +1973,13 @@ _LAYERS = {
 def _byte_view(tensor: Any, what: str) -> Any:
     import torch
 
-    if type(tensor) is torch.Tensor and tensor.dtype is torch.uint8 and tensor.dim() == 1:
-        if tensor.is_contiguous():
-            return tensor  # already a byte view: a new view object costs ~5 us
+    if (
+        type(tensor) is torch.Tensor
+        and tensor.dtype is torch.uint8
+        and tensor.dim() == 1
+        and tensor.is_contiguous()
+    ):
+        return tensor  # already a byte view: a new view object costs ~5 us
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, not {type(tensor).__name__}")
     if not tensor.is_contiguous():
