@@ -231,8 +231,9 @@ class PhiOrder:
     Φ_i = w1·Recency + w2·log1p(decayed hits) + w3·T_recompute/M_KV − w4·SLO_deficit
     (seed 000). Recency is ``last_access_s / recency_scale_s``: a linear decay in
     time, so Φ of an untouched page falls by the same amount for every page and the
-    heap's order stays valid between touches (each touch pushes a fresh entry; stale
-    ones are skipped when popped). Hits, cost and deficit are taken at the touch.
+    heap's order stays valid between touches. A touch only raises a page's Φ, so an
+    entry is re-filed lazily: when it reaches the head with a Φ below its page's
+    current one. Hits, cost and deficit are read when the entry is (re-)filed.
     """
 
     name = "phi"
@@ -278,9 +279,9 @@ class PhiOrder:
             self._compact()
 
     def touch(self, rec: PageRec) -> None:
-        """Re-rank a member after an access; a page outside the order stays out."""
-        if rec.key in self._member:
-            self.add(rec)
+        """Nothing to do at the access: an entry's rank is checked when it reaches the
+        head (``victims`` re-files an entry whose page was touched since it was filed),
+        so a lookup or offer pays no heap push per page."""
 
     def remove(self, rec: PageRec) -> None:
         self._member.pop(rec.key, None)
@@ -298,8 +299,15 @@ class PhiOrder:
             entry = heapq.heappop(heap)
             rec = entry[2]
             if member.get(rec.key) != entry[1]:
-                continue  # stale: touched since, or removed
+                continue  # stale: removed (or re-filed) since
             scan -= 1
+            current = self.score(rec)
+            if current > entry[0]:
+                # Touched since it was filed: re-file it at its rank now.
+                seq = next(self._seq)
+                member[rec.key] = seq
+                heapq.heappush(heap, (current, seq, rec))
+                continue
             kept.append(entry)
             if eligible(rec):
                 out.append(rec)

@@ -98,6 +98,7 @@ def test_lru_touch_moves_to_the_back() -> None:
     a, b, c = rec("a"), rec("b"), rec("c")
     for page in (a, b, c):
         order.add(page)
+    a.last_access_s = 5.0  # the manager stamps the access, then touches
     order.touch(a)
     assert take_all(order) == ["b", "c", "a"]
 
