@@ -188,6 +188,7 @@ class TierManager:
             make_order(config.eviction, weights, config.recency_scale_s, self._cost_ratio)
             for _ in range(3)
         ]
+        self._orders_track_touches = config.eviction == "arc"
         mode, threshold = config.admission_mode
         self._reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
         self._admission = Admission(mode, threshold, self._value_density)
@@ -320,10 +321,26 @@ class TierManager:
                     extra.append(self._wait_estimate(rec))
                 elif extra is not None:
                     extra.append(0.0)
-            # Leaves older than their parents at the same instant: chains go from the tail.
-            touch = self._touch
-            for rec in reversed(hit_recs):
-                touch(rec, now, ctx)
+            # Leaves older than their parents at the same instant: chains go from the
+            # tail. _touch, inlined: this runs once per hit page.
+            if self._orders_track_touches or ctx.deadline_s is not None:
+                for rec in reversed(hit_recs):
+                    self._touch(rec, now, ctx)
+            else:
+                decay = self._decay_per_s
+                exp = math.exp
+                clean_fifo = self._clean_fifo
+                clean_hbm = self._clean_hbm
+                for rec in reversed(hit_recs):
+                    age = now - rec.last_access_s
+                    rec.hits = rec.hits * exp(-decay * age) + 1.0 if age > 0 else rec.hits + 1.0
+                    rec.last_access_s = now
+                    rec.reused = True
+                    tiers_held = rec.tiers
+                    if tiers_held & 6 == 6:
+                        clean_fifo.move_to_end(rec.key)
+                    if tiers_held & 1 and tiers_held & 6 and rec.key in clean_hbm:
+                        clean_hbm.move_to_end(rec.key)
             total = tokens if tokens is not None else ctx.tokens
             if total is None:
                 total = len(keys) * self.config.tokens_per_page
@@ -913,17 +930,15 @@ class TierManager:
         if ctx.deadline_s is not None:
             rec.deadline_s = ctx.deadline_s
         tiers = rec.tiers
-        orders = self._orders
         if tiers & 6 == 6:
             self._clean_fifo.move_to_end(rec.key)  # least recently used clean page first
         if tiers & 1 and tiers & 6 and self._owned_hbm:
             self._clean_hbm.move_to_end(rec.key)
-        if tiers & 1:
-            orders[0].touch(rec)
-        if tiers & 2:
-            orders[1].touch(rec)
-        if tiers & 4:
-            orders[2].touch(rec)
+        if self._orders_track_touches:  # ARC moves a page at its access; Φ/LRU re-rank lazily
+            orders = self._orders
+            for tier in (HBM, DRAM, NVME):
+                if tiers & BIT[tier]:
+                    orders[tier].touch(rec)
 
     # Only leaves of a tier (no resident child there) sit in its eviction order: the
     # order's head is then always a candidate, and "leaves first" costs nothing.
