@@ -129,6 +129,9 @@ class TierConfig:
     layer_overlap: bool = False  # True: a load overlaps the recompute of the rest
     # Policies (the defaults were chosen by `kvstore sim`, docs/tiering.md).
     admission: str = "value_density"
+    # "expected": p·(T_recompute − T_transfer) (seed 000: the transfer is paid only on
+    # a reuse); "seed001": p·T_recompute − T_transfer. Chosen by `kvstore sim`.
+    value_formula: str = "expected"
     eviction: str = "phi"
     placement: str = "write_back"
     # Φ = w1·recency + w2·log1p(hits) + w3·recompute-per-byte − w4·SLO deficit.
@@ -144,6 +147,8 @@ class TierConfig:
     ghost_entries: int = 65536
     reuse_prior: tuple[float, float] = (1.0, 3.0)  # Beta prior (reuses, non-reuses) per class
     tau_initial: float = 0.0  # s of saved time per byte; admit at VD >= τ
+    # τ_nvme also rises while NVMe is above its warn watermark (else: the budget only).
+    tau_pressure: bool = False
     persist_stats_s: float = 30.0
     warm_dram_on_open: bool = True
     control_interval_s: float = 0.002  # 0: no control thread; the caller drives step()
@@ -175,6 +180,10 @@ class TierConfig:
         parse_admission(self.admission)
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.value_formula not in ("expected", "seed001"):
+            raise ValueError(
+                f"value_formula must be 'expected' or 'seed001', got {self.value_formula!r}"
+            )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.mover not in _MOVERS:

@@ -164,11 +164,19 @@ class CostModel:
         load = self.transfer_s(tier, page_bytes)
         return self.recompute_s(self.tokens_per_page) / load if load > 0 else math.inf
 
-    def value_density(self, reuse_p: float, depth: int, nbytes: int, tier: int) -> float:
-        """Seed 001: VD = (p·T_recompute − T_{tier→HBM}) / bytes, in s per byte."""
+    def value_density(
+        self, reuse_p: float, depth: int, nbytes: int, tier: int, formula: str = "seed001"
+    ) -> float:
+        """Value density in s per byte. ``"seed001"``: (p·T_recompute − T_{tier→HBM}) /
+        bytes, the transfer charged whether or not the page is reused; ``"expected"``:
+        p·(T_recompute − T_{tier→HBM}) / bytes, seed 000's expected benefit (a transfer
+        happens only on a reuse)."""
         tokens = self.tokens_per_page
-        saved = reuse_p * self.recompute_s(tokens, depth * tokens)
-        return (saved - self.transfer_s(tier, nbytes)) / max(nbytes, 1)
+        recompute = self.recompute_s(tokens, depth * tokens)
+        transfer = self.transfer_s(tier, nbytes)
+        if formula == "expected":
+            return reuse_p * (recompute - transfer) / max(nbytes, 1)
+        return (reuse_p * recompute - transfer) / max(nbytes, 1)
 
     # -- the plan ------------------------------------------------------------
 

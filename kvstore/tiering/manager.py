@@ -192,7 +192,7 @@ class TierManager:
         mode, threshold = config.admission_mode
         self._reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
         self._admission = Admission(mode, threshold, self._value_density)
-        self._tau = TauController(config.tau_initial)
+        self._tau = TauController(config.tau_initial, pressure=config.tau_pressure)
         self._admit_epoch = 0  # bumped with every τ update: cached admissions expire
         self._cost_ratios: dict[int, float] = {}  # by depth; a ratio, so C_eff cancels
         self._base_recompute_per_byte = self.cost.recompute_s(config.tokens_per_page) / slot
@@ -893,8 +893,9 @@ class TierManager:
         tier cached (for full pages) until a fit or ``observe_prefill`` moves them."""
         p = self._reuse.p(rec.depth, rec.reused, rec.tag)
         nbytes = rec.nbytes
+        formula = self.config.value_formula
         if nbytes != self.config.page_bytes or rec.tokens != self.config.tokens_per_page:
-            return self.cost.value_density(p, rec.depth, nbytes, tier)
+            return self.cost.value_density(p, rec.depth, nbytes, tier, formula)
         cache = self._vd_cache
         if cache is None or cache[0] != self._compute.flops_per_s:
             cache = self._vd_cache = (self._compute.flops_per_s, {}, [-1.0, -1.0, -1.0])
@@ -905,6 +906,8 @@ class TierManager:
         if recompute is None:
             tokens = rec.tokens
             recompute = cache[1][rec.depth] = self.cost.recompute_s(tokens, rec.depth * tokens)
+        if formula == "expected":
+            return p * (recompute - transfer[tier]) / nbytes
         return (p * recompute - transfer[tier]) / nbytes
 
     def _reuse_access(
@@ -1157,6 +1160,19 @@ class TierManager:
                 self._clear_tier(rec, tier)
                 self._bump(f"evict:{TIER_NAMES[tier]}:clean")
             if clean:
+                return
+        if tier == DRAM and self._nvme_enabled:
+            # Next best: a leaf NVMe declines — dropping it frees the slot now, where
+            # a page NVMe wants would only queue a write.
+            eligible = self._eligible(DRAM, False)
+            droppable = self._orders[DRAM].victims(
+                batch, lambda r: eligible(r) and not self._admits_nvme(r), 256
+            )
+            for rec in droppable:
+                self._clear_tier(rec, DRAM)
+                self._bump("evict:dram:dropped")
+                self._dropped(rec)
+            if droppable:
                 return
         self._evict_to(tier, None, force=False, batch=batch)
 

@@ -126,13 +126,16 @@ class ReuseEstimator:
 class TauController:
     """τ per tier: the admission bar in seconds saved per byte."""
 
-    __slots__ = ("_gain", "_victim_vd", "initial", "tau", "updated_s")
+    __slots__ = ("_gain", "_victim_vd", "initial", "pressure", "tau", "updated_s")
 
     STEP = 0.1  # gain change per update
     PERIOD_S = 1.0
 
-    def __init__(self, initial: float) -> None:
+    def __init__(self, initial: float, *, pressure: bool = True) -> None:
         self.initial = initial
+        # False: τ_nvme answers only the DWPD budget; a full NVMe is left to its
+        # eviction order (the simulator found the pressure term cost hits, docs/tiering.md).
+        self.pressure = pressure
         self.tau = [initial, initial, initial]
         self._victim_vd = [0.0, 0.0, 0.0]
         self._gain = [0.0, 0.0, 0.0]
@@ -160,11 +163,14 @@ class TauController:
         # bar rises with its pressure and with writes over the DWPD budget.
         for tier in (NVME,):
             gain = self._gain[tier]
-            if usage[tier] >= warn:
-                gain += self.STEP
-            elif usage[tier] < low:
-                gain -= self.STEP
-            if tier == NVME and write_over_budget > 1.0:
+            if self.pressure:
+                if usage[tier] >= warn:
+                    gain += self.STEP
+                elif usage[tier] < low:
+                    gain -= self.STEP
+            elif write_over_budget <= 1.0:
+                gain -= self.STEP  # only the budget moves it: relax while within it
+            if write_over_budget > 1.0:
                 gain += self.STEP * min(write_over_budget - 1.0, 10.0)
             gain = min(max(gain, 0.0), 2.0 if tier == NVME else 1.0)
             self._gain[tier] = gain
