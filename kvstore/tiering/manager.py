@@ -64,6 +64,7 @@ OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
 _HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
 _BATCH = 64  # pages per eviction batch at most
 _WARM_BATCH = 16
+_DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _NO_CONTEXT = RequestContext()
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 
@@ -213,6 +214,7 @@ class TierManager:
         self._last_persist = self._now()
         self._loads: set[LoadHandle] = set()
         self._fetch_queue: deque[PageRec] = deque()  # demand reads waiting for a DRAM slot
+        self._fetch_queue_since = 0.0  # when its head started waiting (or last moved)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -427,7 +429,10 @@ class TierManager:
             if nvme:
                 self._fetch(nvme, Priority.DEMAND, promote=True)
                 # No DRAM slot for the rest yet: they read as slots come free.
-                self._fetch_queue.extend(r for r in nvme if r.state is PageState.READY)
+                queued = [r for r in nvme if r.state is PageState.READY]
+                if queued and not self._fetch_queue:
+                    self._fetch_queue_since = self._now()
+                self._fetch_queue.extend(queued)
             return handle
 
     def _unpin_load(self, handle: LoadHandle, index: int) -> None:
@@ -1875,8 +1880,17 @@ class TierManager:
                     self._fire_waiters(rec, ok=rec.in_tier(DRAM) or rec.in_tier(HBM))
                 continue
             if not self._fetch([rec], Priority.DEMAND, promote=True):
-                return
+                if self._now() - self._fetch_queue_since < _DEMAND_WAIT_S:
+                    return
+                # No DRAM slot for a whole second (every page pinned or in flight):
+                # the page is reported missing, the engine recomputes it.
+                queue.popleft()
+                self._bump("load:no_slot")
+                self._fire_waiters(rec, ok=False)
+                self._fetch_queue_since = self._now()
+                continue
             queue.popleft()
+            self._fetch_queue_since = self._now()
 
     def _warm_step(self) -> None:
         """Refill DRAM from NVMe, hottest first, while DRAM is below its low mark."""

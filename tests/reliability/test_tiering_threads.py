@@ -443,11 +443,6 @@ def test_unpin_forgets_a_page_whose_last_copy_failed_while_pinned(tmp_path: Path
         assert stats.pages == 0, tm.explain(b"k1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a demand read waits for a DRAM slot without bound: with every DRAM page "
-    "pinned the load never settles and complete_load refuses (reported to the lead)",
-)
 def test_a_load_behind_a_dram_full_of_pins_settles(tmp_path: Path) -> None:
     # An NVMe-only page is to be loaded while both DRAM slots hold pinned pages.
     # The engine cannot cancel the load, and complete_load raises while it is in
