@@ -1173,6 +1173,16 @@ class TierManager:
             droppable = self._orders[DRAM].victims(
                 batch, lambda r: eligible(r) and not self._admits_nvme(r), 256
             )
+            if not droppable:
+                # No such leaf near the head (chains NVMe declines, e.g. a disk slower
+                # than recompute): drop the lowest page NVMe declines even with
+                # children in DRAM. They become unreachable and go as leaves later;
+                # stalling instead would decline every new page.
+                droppable = self._orders[DRAM].victims(
+                    1, lambda r: _copyable(r) and not self._admits_nvme(r), 64
+                )
+                if droppable:
+                    self._bump("evict:dram:not_leaf")
             for rec in droppable:
                 self._clear_tier(rec, DRAM)
                 self._bump("evict:dram:dropped")
