@@ -112,12 +112,15 @@ def test_restart_rebuilds_the_forest_from_nvme(tmp_path: Path) -> None:
         on_nvme = tm.stats().pages_by_tier[2]
     assert on_nvme > 0
     with TierManager.open(config(tmp_path, warm_dram_on_open=False)) as tm:
-        assert tm.stats().pages_by_tier == (0, 0, on_nvme)
+        by_tier = tm.stats().pages_by_tier
+        # HBM and DRAM are gone; NVMe has what was there (and what close finished).
+        assert by_tier[:2] == (0, 0) and by_tier[2] >= on_nvme
         # What was only in HBM or DRAM is gone; recomputing
         # it reconnects the NVMe pages: the forest is whole.
         lost = [i for i, k in enumerate(ks) if tm.store.info(k) is None]
-        assert lost and len(lost) < len(ks)
-        assert tm.lookup(ks).hit_pages == lost[0]  # up to the first hole
+        assert len(lost) < len(ks)
+        # Up to the first hole (none when cleaning ahead had written every page).
+        assert tm.lookup(ks).hit_pages == (lost[0] if lost else len(ks))
         tm.offer(
             [ks[i] for i in lost],
             [page(i) for i in lost],
