@@ -203,7 +203,8 @@ def test_orphans_are_declined_and_descendants_with_them(tmp_path: Path) -> None:
 
 
 def test_pinned_pages_are_never_evicted(tmp_path: Path) -> None:
-    with TierManager.open(config(None, hbm_bytes=2 * SLOT, dram_bytes=2 * SLOT)) as tm:
+    cfg = config(None, hbm_bytes=2 * SLOT, dram_bytes=2 * SLOT, control_interval_s=0)
+    with TierManager.open(cfg) as tm:
         tm.offer([b"root"], [page(0)])
         tm.drain()
         assert tm.pin([b"root", b"absent"]) == [True, False]
@@ -218,10 +219,12 @@ def test_pinned_pages_are_never_evicted(tmp_path: Path) -> None:
 
 
 def test_everything_pinned_declines_without_raising() -> None:
-    with TierManager.open(config(None, hbm_bytes=0, dram_bytes=2 * SLOT)) as tm:
+    # No control thread: a full DRAM would otherwise lose a page before the pin.
+    cfg = config(None, hbm_bytes=0, dram_bytes=2 * SLOT, control_interval_s=0)
+    with TierManager.open(cfg) as tm:
         tm.offer([b"a", b"b"], [page(0), page(1)], parents=[None, None])
         tm.drain()
-        tm.pin([b"a", b"b"])
+        assert tm.pin([b"a", b"b"]) == [True, True]
         out = tm.offer([b"c"], [page(2)], parents=[None])
         assert out.tiers == (None,)
         assert "full" in out.reasons[0]
