@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path as FsPath
 from typing import Any, NamedTuple
 
-from kvstore.errors import ClosedError, KVStoreError
+from kvstore.errors import ClosedError, IOFailure, KVStoreError
 from kvstore.format.names import TIERING_STATS_NAME
+from kvstore.io.files import fsync_dir
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import Bandwidth, Compute, CostModel, make_bandwidths
@@ -373,7 +374,7 @@ class TierManager:
                 ]
                 if pending:
                     state = LookupState.PENDING
-                    self._fetch(pending, Priority.DEMAND, promote=True)
+                    self._fetch(pending, Priority.DEMAND)
             plan = LoadPlan(tuple(r.key for r in hit_recs), tuple(tiers), load, cost, reason)
             return LookupResult(state, hit, (by_tier[0], by_tier[1], by_tier[2]), plan)
 
@@ -427,7 +428,7 @@ class TierManager:
                 if rec.state is PageState.READY:
                     nvme.append(rec)
             if nvme:
-                self._fetch(nvme, Priority.DEMAND, promote=True)
+                self._fetch(nvme, Priority.DEMAND)
                 # No DRAM slot for the rest yet: they read as slots come free.
                 queued = [r for r in nvme if r.state is PageState.READY]
                 if queued and not self._fetch_queue:
@@ -615,10 +616,12 @@ class TierManager:
                     break
                 if rec.top_tier() == NVME and rec.state is PageState.READY:
                     wanted.append(rec)
-            return self._fetch(wanted, Priority.PREFETCH, promote=True)
+            return self._fetch(wanted, Priority.PREFETCH)
 
     def finish_request(self, ctx: RequestContext) -> None:
-        """The request is done: its pages no longer carry its SLO."""
+        """The request is done (counted). Its pages keep the SLO deficit they were
+        stamped with at their last access: Φ's w4 term ranks late requests' pages
+        first, and a later access restamps them."""
         with self._lock:
             if not ctx.request_id:
                 return
@@ -1186,7 +1189,7 @@ class TierManager:
             for rec in droppable:
                 self._clear_tier(rec, DRAM)
                 self._bump("evict:dram:dropped")
-                self._dropped(rec)
+                self._forget_if_gone(rec)
             if droppable:
                 return
         self._evict_to(tier, None, force=False, batch=batch)
@@ -1251,7 +1254,7 @@ class TierManager:
         if not ok:
             self._clear_tier(rec, HBM)
             self._bump("evict:hbm:dropped")
-            self._dropped(rec)
+            self._forget_if_gone(rec)
             return True
         slot = self._alloc(DRAM)
         if slot is None:
@@ -1289,19 +1292,19 @@ class TierManager:
         if not self._nvme_enabled:
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
-            self._dropped(rec)
+            self._forget_if_gone(rec)
             return True
         if self._emergency and not rec.retained:
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:emergency")
             self._bump("emergency_evictions")
-            self._dropped(rec)
+            self._forget_if_gone(rec)
             return True
         if not self._admits_nvme(rec):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
             self._bump("admission:nvme:below_tau")
-            self._dropped(rec)
+            self._forget_if_gone(rec)
             return True
         if self._write_paced():
             if rec.retained or not urgent:
@@ -1310,7 +1313,7 @@ class TierManager:
             # beats stalling DRAM (a stall declines new pages, and orphans their chains).
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:paced")
-            self._dropped(rec)
+            self._forget_if_gone(rec)
             return True
         self._bump("admission:nvme:admitted")
         rec.demoted_at_s = now
@@ -1376,10 +1379,7 @@ class TierManager:
                 self._store.delete(rec.key)
         self._bump("evict:nvme:deleted")
         if not rec.tiers:
-            self._dropped(rec)
-
-    def _dropped(self, rec: PageRec) -> None:
-        self._forget_if_gone(rec)
+            self._forget_if_gone(rec)
 
     def _write_back(self, recs: list[PageRec], *, demote: bool) -> None:
         """DRAM -> NVMe for pages in DRAM; with ``demote`` the DRAM slot goes after."""
@@ -1471,7 +1471,7 @@ class TierManager:
             return self._bandwidth["d2h"].seconds(rec.nbytes) * 0.5
         return 0.0
 
-    def _fetch(self, recs: list[PageRec], priority: Priority, *, promote: bool) -> int:
+    def _fetch(self, recs: list[PageRec], priority: Priority) -> int:
         """NVMe -> DRAM reads for READY NVMe-only pages with a DRAM slot to land in."""
         batch: list[PageRec] = []
         now = self._now()
@@ -1496,14 +1496,12 @@ class TierManager:
                 keys,
                 (),
                 priority=priority,
-                tag=("read", batch, promote),
+                tag=("read", batch),
                 sizes=[r.nbytes for r in batch],
             )
         else:
             views = [self._dram.view(r.dram_slot, r.nbytes) for r in batch]
-            self._mover.nvme_read(
-                self._store, keys, views, priority=priority, tag=("read", batch, promote)
-            )
+            self._mover.nvme_read(self._store, keys, views, priority=priority, tag=("read", batch))
         return len(batch)
 
     def _add_waiter(
@@ -1616,7 +1614,7 @@ class TierManager:
             elif kind == "write":
                 self._write_done(ticket, tag[1], tag[2])
             elif kind == "read":
-                self._read_done(ticket, tag[1], tag[2])
+                self._read_done(ticket, tag[1])
             elif kind == "load":
                 self._load_done(ticket, tag[1], tag[2])
 
@@ -1714,7 +1712,7 @@ class TierManager:
             if rec.waiters:
                 self._fire_waiters(rec, ok=True)
 
-    def _read_done(self, ticket: Ticket, recs: list[PageRec], promote: bool) -> None:
+    def _read_done(self, ticket: Ticket, recs: list[PageRec]) -> None:
         results = ticket.results
         now = self._now()
         exclusive = self.config.placement == "exclusive"
@@ -1758,8 +1756,6 @@ class TierManager:
             self._unpin_load(handle, index)  # R4: the source slot is free to go now
             if not ok:
                 self._bump("load_failures")
-        if handle.done() and handle not in self._loads:
-            return
 
     # -- internals: restart ------------------------------------------------------------
 
@@ -1870,12 +1866,8 @@ class TierManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
+            fsync_dir(path.parent)
+        except (OSError, IOFailure) as e:
             self._bump("stats:save_failures")
             self._stats_error = f"{path}: {e}"
 
@@ -1889,7 +1881,7 @@ class TierManager:
                 if rec.waiters and rec.state is PageState.READY:
                     self._fire_waiters(rec, ok=rec.in_tier(DRAM) or rec.in_tier(HBM))
                 continue
-            if not self._fetch([rec], Priority.DEMAND, promote=True):
+            if not self._fetch([rec], Priority.DEMAND):
                 if self._now() - self._fetch_queue_since < _DEMAND_WAIT_S:
                     return
                 # No DRAM slot for a whole second (every page pinned or in flight):
@@ -1915,7 +1907,7 @@ class TierManager:
             batch.append(rec)
             room -= self._slot_bytes
         if batch:
-            started = self._fetch(batch, Priority.BACKGROUND, promote=True)
+            started = self._fetch(batch, Priority.BACKGROUND)
             self._warm_in_flight += started
             self._bump("restart:warmed", started)
 
