@@ -19,13 +19,12 @@ by the store on every read (R5): a failed read drops the page, never serves it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path as FsPath
 from typing import Any, NamedTuple
@@ -178,9 +177,14 @@ class TierManager:
         self._clean_dram = 0  # DRAM pages that also have their NVMe copy (free at once)
         # The same pages, least recently used first: an allocation under pressure takes these
         # (leaving DRAM makes no hole in a prefix while the NVMe copy stays).
-        self._clean_fifo: OrderedDict[bytes, PageRec] = OrderedDict()
+        self._clean_fifo: EvictionOrder = make_order(
+            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
+        )
         # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
-        self._clean_hbm: OrderedDict[bytes, PageRec] = OrderedDict()
+        self._clean_hbm: EvictionOrder = make_order(
+            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
+        )
+        self._clean_hbm_count = 0
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
         self._count = [0, 0, 0]
@@ -332,18 +336,11 @@ class TierManager:
             else:
                 decay = self._decay_per_s
                 exp = math.exp
-                clean_fifo = self._clean_fifo
-                clean_hbm = self._clean_hbm
                 for rec in reversed(hit_recs):
                     age = now - rec.last_access_s
                     rec.hits = rec.hits * exp(-decay * age) + 1.0 if age > 0 else rec.hits + 1.0
                     rec.last_access_s = now
                     rec.reused = True
-                    tiers_held = rec.tiers
-                    if tiers_held & 6 == 6:
-                        clean_fifo.move_to_end(rec.key)
-                    if tiers_held & 1 and tiers_held & 6 and rec.key in clean_hbm:
-                        clean_hbm.move_to_end(rec.key)
             total = tokens if tokens is not None else ctx.tokens
             if total is None:
                 total = len(keys) * self.config.tokens_per_page
@@ -714,7 +711,7 @@ class TierManager:
             # clean pages (a copy below) frees one the moment it is wanted, and NVMe
             # frees on allocation (a delete). See docs/tiering.md, "Eviction".
             for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_fifo)):
-                if (tier == HBM and not self._owned_hbm) or clean_list:
+                if (tier == HBM and not self._owned_hbm) or len(clean_list):
                     continue
                 if usage[tier] >= self.config.watermark_warn:
                     force = usage[tier] >= self.config.watermark_force
@@ -941,15 +938,15 @@ class TierManager:
         if ctx.deadline_s is not None:
             rec.deadline_s = ctx.deadline_s
         tiers = rec.tiers
-        if tiers & 6 == 6:
-            self._clean_fifo.move_to_end(rec.key)  # least recently used clean page first
-        if tiers & 1 and tiers & 6 and self._owned_hbm:
-            self._clean_hbm.move_to_end(rec.key)
         if self._orders_track_touches:  # ARC moves a page at its access; Φ/LRU re-rank lazily
             orders = self._orders
             for tier in (HBM, DRAM, NVME):
                 if tiers & BIT[tier]:
                     orders[tier].touch(rec)
+            if tiers & 6 == 6:
+                self._clean_fifo.touch(rec)
+            if tiers & 3 == 3 and self._owned_hbm:
+                self._clean_hbm.touch(rec)
 
     # Only leaves of a tier (no resident child there) sit in its eviction order: the
     # order's head is then always a candidate, and "leaves first" costs nothing.
@@ -970,22 +967,26 @@ class TierManager:
 
     def _changed(self, rec: PageRec, held_before: int, clean_before: bool) -> None:
         if self._owned_hbm:
-            hbm_clean = rec.tiers & 1 and rec.tiers & 6
-            if hbm_clean and rec.key not in self._clean_hbm:
-                self._clean_hbm[rec.key] = rec
+            hbm_clean = rec.tiers & 3 == 3
+            if hbm_clean and not rec.hbm_clean:
+                rec.hbm_clean = True
+                self._clean_hbm_count += 1
+                self._clean_hbm.add(rec)
                 self._orders[HBM].remove(rec)
-            elif not hbm_clean and rec.key in self._clean_hbm:
-                del self._clean_hbm[rec.key]
+            elif not hbm_clean and rec.hbm_clean:
+                rec.hbm_clean = False
+                self._clean_hbm_count -= 1
+                self._clean_hbm.remove(rec)
                 self._enter_order(rec, HBM)
         clean = rec.tiers & 6 == 6
         if clean != clean_before:
             if clean:
                 self._clean_dram += 1
-                self._clean_fifo[rec.key] = rec
+                self._clean_fifo.add(rec)
                 self._orders[DRAM].remove(rec)
             else:
                 self._clean_dram -= 1
-                self._clean_fifo.pop(rec.key, None)
+                self._clean_fifo.remove(rec)
                 self._enter_order(rec, DRAM)
         held = self._holds(rec)
         if held != held_before and rec.parent is not None:
@@ -1032,12 +1033,18 @@ class TierManager:
         if parent is None:
             return
         parent.resident_children[tier] += 1
+        if tier == NVME and parent.resident_children[NVME] == 1:
+            # NVMe deletes: only leaves are victims, so a parent waits outside the
+            # order (scanning past it at every eviction would cost more than the rest).
+            self._orders[NVME].remove(parent)
 
     def _child_gone(self, parent_key: bytes, tier: int) -> None:
         parent = self._pages.get(parent_key)
         if parent is None or parent.resident_children[tier] <= 0:
             return
         parent.resident_children[tier] -= 1
+        if tier == NVME and not parent.resident_children[NVME]:
+            self._enter_order(parent, NVME)
 
     def _busy(self, rec: PageRec, state: PageState) -> None:
         """A copy in or out of the page starts: it is no one's victim until it lands
@@ -1063,7 +1070,8 @@ class TierManager:
             and not rec.leaving & bit
             and rec.state is PageState.READY
             and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
-            and not (tier == HBM and rec.tiers & 6)  # a copy below: in the HBM clean list
+            and not (tier == HBM and rec.tiers & 2)  # a DRAM copy: in the HBM clean list
+            and not (tier == NVME and rec.resident_children[NVME])  # NVMe: leaves only
         ):
             self._orders[tier].add(rec)
 
@@ -1139,11 +1147,22 @@ class TierManager:
     def _eligible(self, tier: int, force: bool) -> Callable[[PageRec], bool]:
         now = self._now()
         hysteresis = self.config.hysteresis_s
+        # Leaves first only where the victim's last copy goes: an HBM victim that DRAM
+        # admits is demoted and leaves no hole. (DRAM keeps leaves first even where it
+        # writes back: measured on the conversation trace, freeing parents there first
+        # empties the chains' DRAM copies a request later finds.)
+        below: Callable[[PageRec], bool] | None = None
+        if tier == HBM:
+            tau = self._tau.tau[DRAM]
+            admit = self._admission.admit
+
+            def below(rec: PageRec) -> bool:
+                return admit(rec, DRAM, 0, tau)
 
         def eligible(rec: PageRec) -> bool:
-            if rec.pins or rec.waiters or rec.resident_children[tier]:
+            if rec.pins or rec.waiters or rec.state is not PageState.READY:
                 return False
-            if rec.state is not PageState.READY:
+            if rec.resident_children[tier] and (below is None or not below(rec)):
                 return False
             return force or now - rec.promoted_at_s >= hysteresis
 
@@ -1156,14 +1175,10 @@ class TierManager:
         arena = self._hbm if tier == HBM else self._dram
         batch = max(1, min(8, arena.slots // 16))
         clean_list = self._clean_hbm if tier == HBM else self._clean_fifo
-        if clean_list:
-            # Pages with a copy below go at once; a demotion would free nothing now.
-            clean = []
-            for rec in itertools.islice(clean_list.values(), 64):
-                if not rec.pins and not rec.waiters and rec.state is PageState.READY:
-                    clean.append(rec)
-                    if len(clean) >= batch:
-                        break
+        if len(clean_list):
+            # Pages with a copy below go at once (lowest rank first, as any victim);
+            # a demotion would free nothing now.
+            clean = clean_list.victims(batch, _freeable, 64)
             for rec in clean:
                 self._clear_tier(rec, tier)
                 self._bump(f"evict:{TIER_NAMES[tier]}:clean")
@@ -1247,7 +1262,7 @@ class TierManager:
     def _evict_hbm(self, rec: PageRec, now: float, demoted: list[PageRec]) -> bool:
         """Demote or drop one HBM victim; False when DRAM had no slot for it."""
         ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])
-        if rec.in_tier(DRAM) or rec.in_tier(NVME):
+        if rec.in_tier(DRAM):
             self._clear_tier(rec, HBM)
             self._bump("evict:hbm:clean")
             return True
@@ -1325,7 +1340,7 @@ class TierManager:
         up to a reserve of (1 - low) of HBM, so an HBM allocation frees a slot at once."""
         cap = self._capacity[HBM]
         reserve = (1.0 - self.config.watermark_low) * cap
-        want = int((reserve - len(self._clean_hbm) * self._slot_bytes) // self._slot_bytes)
+        want = int((reserve - self._clean_hbm_count * self._slot_bytes) // self._slot_bytes)
         if want <= 0:
             return
         want = min(want, _BATCH)
@@ -1992,6 +2007,11 @@ def _parse_stats(data: object, where: str) -> _ParsedStats:
             raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
         heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
     return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
+
+
+def _freeable(rec: PageRec) -> bool:
+    """A clean copy that can go at once: no pin, no waiter, no copy in flight."""
+    return not rec.pins and not rec.waiters and rec.state is PageState.READY
 
 
 def _copyable(rec: PageRec) -> bool:

@@ -65,6 +65,7 @@ class PageRec:
         "demoted_at_s",
         "depth",
         "dram_slot",
+        "hbm_clean",
         "hbm_slot",
         "heap_version",
         "hits",
@@ -96,6 +97,7 @@ class PageRec:
         self.tiers = 0
         self.dram_slot = -1
         self.hbm_slot = -1
+        self.hbm_clean = False  # in the manager's HBM clean list (a DRAM copy too)
         self.pins = 0
         self.state = PageState.READY
         self.last_access_s = now_s

@@ -231,6 +231,10 @@ class EvictionOrder(Protocol):
     def unordered(self) -> list[PageRec]: ...
 
 
+# Far below any gap between two requests' access times, far above float rounding.
+_DEPTH_TIE_S = 1e-6
+
+
 class PhiOrder:
     """Φ lowest first, in a lazy heap.
 
@@ -270,7 +274,10 @@ class PhiOrder:
 
     def score(self, rec: PageRec) -> float:
         w1, w2, w3, w4 = self._w
-        phi = w1 * rec.last_access_s / self._scale + w2 * math.log1p(rec.hits)
+        # Pages touched at one instant (a request's blocks): the deeper goes first, so
+        # a chain leaves a tier from its tail (vLLM and SGLang free tails first too).
+        phi = w1 * (rec.last_access_s - _DEPTH_TIE_S * rec.depth) / self._scale
+        phi += w2 * math.log1p(rec.hits)
         if w3:
             phi += w3 * self._cost_ratio(rec)
         if w4 and rec.deadline_s is not None and rec.last_access_s > rec.deadline_s:
@@ -335,7 +342,7 @@ class LRUOrder(PhiOrder):
         super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0)
 
     def score(self, rec: PageRec) -> float:
-        return rec.last_access_s
+        return rec.last_access_s - _DEPTH_TIE_S * rec.depth
 
 
 class ARCOrder:

@@ -1,0 +1,92 @@
+"""Where the manager puts pages as they move, on the fake mover (virtual clock).
+
+Regression tests for the placement decisions the trace simulator measured
+(docs/tiering.md, "Why the defaults are what they are").
+"""
+
+from __future__ import annotations
+
+from kvstore.tiering.config import ModelCost, TierConfig
+from kvstore.tiering.manager import TierManager
+from kvstore.tiering.pages import DRAM, HBM, NVME
+
+PAGE = 64 << 10
+MODEL = ModelCost(1e9, 8, 8, 64, PAGE // 16)
+
+
+def _manager(**overrides: object) -> TierManager:
+    base: dict[str, object] = dict(
+        hbm="owned",
+        hbm_bytes=4 * PAGE,
+        dram_bytes=8 * PAGE,
+        nvme_bytes=64 * PAGE,
+        page_bytes=PAGE,
+        tokens_per_page=16,
+        model=MODEL,
+        compute_flops=1e11,  # loading beats recomputing from every tier
+        admission="all",
+        hysteresis_s=0.0,
+        mover="fake",
+        control_interval_s=0,
+        probe_at_open=False,
+    )
+    base.update(overrides)
+    return TierManager.open(TierConfig(**base))  # type: ignore[arg-type]
+
+
+def _tick(tm: TierManager, seconds: float = 1.0) -> None:
+    assert tm.clock is not None
+    tm.clock.set(tm.clock.now() + seconds)
+    tm.step()
+
+
+def _tiers(tm: TierManager, key: bytes) -> set[int]:
+    rec = tm._pages.get(key)
+    return set() if rec is None else {t for t in (HBM, DRAM, NVME) if rec.in_tier(t)}
+
+
+def _request(tm: TierManager, keys: list[bytes]) -> None:
+    """What the simulator does per request: look the prefix up, then offer it all."""
+    tm.lookup(keys)
+    tm.offer(keys, None)
+    _tick(tm)
+
+
+def test_an_hbm_page_with_only_an_nvme_copy_is_demoted_to_dram_not_dropped() -> None:
+    tm = _manager(eviction="lru")
+    try:
+        _request(tm, [b"a"])
+        # Push "a" down to NVMe only: HBM (4) and DRAM (8) fill with others.
+        for i in range(30):
+            _request(tm, [b"f%d" % i])
+        assert _tiers(tm, b"a") == {NVME}
+        # A hit brings it back up (NVMe -> DRAM, then the offer takes it into HBM).
+        _request(tm, [b"a"])
+        _request(tm, [b"a"])
+        assert HBM in _tiers(tm, b"a")
+        # HBM evicts it again: it must go to DRAM, as any HBM victim does, not fall
+        # back to its NVMe copy (a DRAM hit turned into an NVMe hit).
+        for i in range(6):
+            _request(tm, [b"g%d" % i])
+        assert HBM not in _tiers(tm, b"a")
+        assert DRAM in _tiers(tm, b"a")
+    finally:
+        tm.close()
+
+
+def test_a_request_chain_leaves_hbm_from_its_tail() -> None:
+    """Blocks of one request share an access time: under LRU the deepest goes first
+    (under Φ the cost term ranks deeper pages higher; demotion makes no hole)."""
+    tm = _manager(hbm_bytes=4 * PAGE, dram_bytes=16 * PAGE, eviction="lru")
+    try:
+        chain = [b"c0", b"c1", b"c2", b"c3"]
+        _request(tm, chain)
+        _request(tm, [b"x0"])  # one new page: one chain page must leave HBM
+        in_hbm = [HBM in _tiers(tm, k) for k in chain]
+        assert in_hbm[0], in_hbm  # the root stays
+        assert not all(in_hbm)
+        # Whatever left is a suffix of the chain.
+        first_gone = in_hbm.index(False)
+        assert not any(in_hbm[first_gone:]), in_hbm
+    finally:
+        tm.close()
