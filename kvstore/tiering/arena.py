@@ -14,7 +14,8 @@ Invariants:
   slot that is not allocated is a ValueError (a double free would hand one slot
   to two pages: the wrong-bytes bug this package exists to prevent).
 - ``alloc``/``free`` are O(1) and thread-safe (one lock held for a few list
-  operations); ``view`` takes no lock and allocates only the view object.
+  operations); ``view`` takes no lock and allocates at most the view object
+  (whole-slot views of slots >= 64 KiB are made once and reused).
 
 The arena does not know what a slot holds or whether it may be read: that is
 the page state machine's job (rule R4 in TIERING.md).
@@ -29,6 +30,7 @@ import torch
 __all__ = ["SLOT_ALIGN_BYTES", "Arena"]
 
 SLOT_ALIGN_BYTES = 4096
+_CACHED_VIEW_MIN_SLOT_BYTES = 64 * 1024
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -73,6 +75,12 @@ class Arena:
         # Reversed so that a fresh arena hands out 0, 1, 2, ...
         self._free: list[int] = list(range(self.slots - 1, -1, -1))
         self._allocated = bytearray(self.slots)  # 1 where the slot is allocated
+        # Whole-slot views, made on first use and kept: a torch slice costs 2-5 us and
+        # every page of every load and offer asks for one. A view is ~600 bytes, so
+        # only arenas whose slots are large enough for that to stay under 1% keep them.
+        self._views: list[torch.Tensor | None] | None = (
+            [None] * self.slots if self.slot_bytes >= _CACHED_VIEW_MIN_SLOT_BYTES else None
+        )
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         """The uninitialised backing memory, starting on a 4 KiB boundary.
@@ -137,15 +145,24 @@ class Arena:
         The view shares the arena's memory; it does not check that the slot is
         allocated (the caller owns the slot while it holds the view).
         """
-        self._check_slot(slot)
+        # Called per page on every load and offer: the checks are inline (a call to
+        # _check_slot costs as much as they do), and a whole slot's view is reused.
+        slot_bytes = self.slot_bytes
+        if not 0 <= slot < self.slots:
+            self._check_slot(slot)
         if nbytes is None:
-            nbytes = self.slot_bytes
-        elif nbytes < 0 or nbytes > self.slot_bytes:
+            nbytes = slot_bytes
+        elif not 0 <= nbytes <= slot_bytes:
             raise ValueError(
-                f"nbytes {nbytes} does not fit a slot of arena {self.name!r} "
-                f"({self.slot_bytes} bytes)"
+                f"nbytes {nbytes} does not fit a slot of arena {self.name!r} ({slot_bytes} bytes)"
             )
-        start = slot * self.slot_bytes
+        views = self._views
+        if nbytes == slot_bytes and views is not None:
+            view = views[slot]
+            if view is None:  # two threads racing here make two equal views: harmless
+                view = views[slot] = self._buffer[slot * slot_bytes : (slot + 1) * slot_bytes]
+            return view
+        start = slot * slot_bytes
         return self._buffer[start : start + nbytes]
 
     def buffer(self) -> torch.Tensor:

@@ -172,3 +172,29 @@ def test_pinned_host_arena_and_device_arena() -> None:
     device = Arena(4 * 4096, 4096, "cuda")
     assert device.buffer().is_cuda and not device.pinned
     assert device.buffer().data_ptr() % SLOT_ALIGN_BYTES == 0
+
+
+def test_whole_slot_views_are_reused_and_partial_ones_are_not() -> None:
+    arena = Arena(4 << 20, 1 << 20, "cpu")
+    whole = arena.view(2)
+    assert arena.view(2) is whole
+    assert arena.view(2, 1 << 20) is whole
+    assert whole.data_ptr() == arena.buffer().data_ptr() + 2 * (1 << 20)
+    part = arena.view(2, 4096)
+    assert part is not arena.view(2, 4096)
+    assert part.data_ptr() == whole.data_ptr() and part.numel() == 4096
+    arena.buffer().fill_(0)
+    whole.fill_(7)  # the reused view still writes the arena's memory, and only its slot
+    assert int(arena.buffer()[2 << 20]) == 7 and int(arena.buffer()[(3 << 20) - 1]) == 7
+    assert int(arena.buffer()[(2 << 20) - 1]) == 0 and int(arena.buffer()[3 << 20]) == 0
+    with pytest.raises(ValueError):
+        arena.view(4)
+    with pytest.raises(ValueError):
+        arena.view(0, (1 << 20) + 1)
+
+
+def test_small_slot_views_are_made_each_time() -> None:
+    arena = Arena(16 * 4096, 4096, "cpu")
+    first = arena.view(3)
+    assert first is not arena.view(3)
+    assert first.data_ptr() == arena.view(3).data_ptr() == arena.buffer().data_ptr() + 3 * 4096

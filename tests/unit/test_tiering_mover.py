@@ -587,3 +587,36 @@ def test_cuda_round_trip_with_events() -> None:
         assert len(mover._event_pool) == pooled - 2  # reused, not allocated
         assert again.wait(WAIT_S)
         assert torch.equal(device.view(1), device.view(0))
+
+
+def test_wait_completed_sleeps_until_a_ticket_lands(mover: CPUMover) -> None:
+    blocker, ticket = block_copy_thread(mover)
+    started = time.monotonic()
+    assert mover.wait_completed(0.05) is False
+    assert time.monotonic() - started >= 0.04  # it slept, not spun out at once
+    woke: list[float] = []
+    waiter = threading.Thread(target=lambda: woke.append(mover.wait_completed(WAIT_S)))
+    waiter.start()
+    time.sleep(0.02)
+    assert not woke  # still asleep: nothing has completed
+    released = time.monotonic()
+    blocker.release.set()
+    waiter.join(WAIT_S)
+    assert woke == [True]
+    assert time.monotonic() - released < WAIT_S / 2
+    assert mover.wait_completed(0) is True  # not consumed: poll() still has it
+    assert mover.poll() == [ticket]
+    assert mover.wait_completed(0) is False
+
+
+def test_fake_wait_completed_never_blocks() -> None:
+    clock = VirtualClock()
+    moving = fake(clock)
+    ticket = moving.copy(Path.D2H, [], priority=Priority.DEMAND, nbytes=MIB)
+    started = time.monotonic()
+    assert moving.wait_completed(5.0) is False  # the virtual clock has not reached it
+    assert time.monotonic() - started < 1.0
+    clock.set(ticket.finished_s)  # type: ignore[arg-type]
+    assert moving.wait_completed(5.0) is True
+    assert moving.poll() == [ticket]
+    assert moving.wait_completed(0) is False
