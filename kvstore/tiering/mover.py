@@ -258,6 +258,7 @@ class Mover(abc.ABC):
     def __init__(self) -> None:
         self._in_flight: dict[Path, int] = dict.fromkeys(Path, 0)
         self._closed = False
+        self._completion_count = 0
 
     @abc.abstractmethod
     def copy(
@@ -322,13 +323,21 @@ class Mover(abc.ABC):
     def now(self) -> float:
         """The mover's clock, in seconds."""
 
-    @abc.abstractmethod
-    def wait_completed(self, timeout_s: float) -> bool:
-        """Block until ``poll()`` has a ticket to return, or ``timeout_s`` passed.
+    def completions(self) -> int:
+        """How many tickets have completed so far: the ``since`` of ``wait_completed``."""
+        return self._completion_count
 
-        True when it has one. A caller waiting for a load sleeps here instead of
-        in ``time.sleep``, so it wakes when the copy lands rather than up to one
-        sleep later. ``FakeMover`` never blocks (its clock is virtual).
+    @abc.abstractmethod
+    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
+        """Block until a ticket completes, or ``timeout_s`` passed; True when one did.
+
+        With ``since`` (a ``completions()`` count read earlier): until the count
+        has moved past it, so a completion that another thread has already
+        polled in between still wakes the caller. Without: until ``poll()`` has
+        a ticket to return. A caller waiting for a load sleeps here rather than
+        in ``time.sleep``: it wakes when the copy lands, not up to one sleep
+        later, and does not wake at all while nothing lands. ``FakeMover`` never
+        blocks (its clock is virtual).
         """
 
     @abc.abstractmethod
@@ -556,6 +565,7 @@ class _ThreadedMover(Mover):
         ticket._state = _DONE
         self._in_flight[ticket.path] -= ticket.nbytes
         self._completed.append(ticket)
+        self._completion_count += 1
         self._done_cond.notify_all()
 
     def poll(self) -> list[Ticket]:
@@ -564,14 +574,16 @@ class _ThreadedMover(Mover):
             self._completed.clear()
         return done
 
-    def wait_completed(self, timeout_s: float) -> bool:
-        if self._completed:
+    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
+        if self._completed_since(since):
             return True
         with self._done_cond:
-            return self._done_cond.wait_for(self._has_completed_locked, timeout_s)
+            return self._done_cond.wait_for(lambda: self._completed_since(since), timeout_s)
 
-    def _has_completed_locked(self) -> bool:
-        return bool(self._completed)
+    def _completed_since(self, since: int | None) -> bool:
+        if since is None:
+            return bool(self._completed)
+        return self._completion_count != since
 
     def _ticket_done(self, ticket: Ticket) -> bool:
         return ticket._state == _DONE
@@ -763,19 +775,19 @@ class CUDAMover(_ThreadedMover):
                     ticket.event = None
         return done
 
-    def wait_completed(self, timeout_s: float) -> bool:
+    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
         """As ``Mover.wait_completed``; CUDA events notify nobody, so the lanes are
         queried every 0.2 ms between waits for the host jobs' completions."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 self._settle_lanes_locked()
-                if self._completed:
+                if self._completed_since(since):
                     return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if super().wait_completed(min(remaining, 0.0002)):
+            if super().wait_completed(min(remaining, 0.0002), since):
                 return True
 
     def _ticket_done(self, ticket: Ticket) -> bool:
@@ -1012,11 +1024,16 @@ class FakeMover(Mover):
             ticket._state = _DONE
             self._in_flight[ticket.path] -= ticket.nbytes
             self._ready.append(ticket)
+            self._completion_count += 1
 
-    def wait_completed(self, timeout_s: float) -> bool:
-        """Whether ``poll()`` has a ticket now; never blocks (the clock is virtual)."""
+    def completions(self) -> int:
         self._settle()
-        return bool(self._ready)
+        return self._completion_count
+
+    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
+        """Whether a ticket has completed (since ``since``); never blocks (virtual clock)."""
+        self._settle()
+        return bool(self._ready) if since is None else self._completion_count != since
 
     def poll(self) -> list[Ticket]:
         """Tickets whose finish is at or before now, not returned before, in finish order."""

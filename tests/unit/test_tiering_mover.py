@@ -616,7 +616,28 @@ def test_fake_wait_completed_never_blocks() -> None:
     started = time.monotonic()
     assert moving.wait_completed(5.0) is False  # the virtual clock has not reached it
     assert time.monotonic() - started < 1.0
+    before = moving.completions()
+    assert moving.wait_completed(5.0, since=before) is False
     clock.set(ticket.finished_s)  # type: ignore[arg-type]
     assert moving.wait_completed(5.0) is True
+    assert moving.completions() == before + 1
     assert moving.poll() == [ticket]
     assert moving.wait_completed(0) is False
+    assert moving.wait_completed(5.0, since=before) is True
+
+
+def test_wait_completed_since_a_count_sees_completions_polled_elsewhere(
+    mover: CPUMover,
+) -> None:
+    """A waiter whose completion another thread polled first still wakes (the manager's
+    control thread harvests beside a caller waiting for its load)."""
+    blocker, ticket = block_copy_thread(mover)
+    before = mover.completions()
+    blocker.release.set()
+    assert drain(mover, 1) == [ticket]  # someone else took it
+    assert mover.completions() == before + 1
+    started = time.monotonic()
+    assert mover.wait_completed(WAIT_S, since=before) is True
+    assert time.monotonic() - started < WAIT_S / 2
+    assert mover.wait_completed(0.02) is False  # nothing left to poll
+    assert mover.wait_completed(0.02, since=before + 1) is False
