@@ -569,6 +569,7 @@ class TierManager:
                     pages[key] = rec
                 else:
                     rec.nbytes = nbytes[i]
+                    rec.cost_ratio = -1.0
                 rec.deadline_s = ctx.deadline_s
                 rec.last_access_s = now
                 tier, reason = self._place_new(rec, seen)
@@ -881,11 +882,14 @@ class TierManager:
         return sum(360 + len(k) for k in self._pages)
 
     def _cost_ratio(self, rec: PageRec) -> float:
-        """Φ's cost term: recompute time per byte against a full root page's."""
+        """Φ's cost term: recompute time per byte against a full root page's. A full
+        page's ratio depends on its depth alone: it is kept on the record too, where
+        the orders read it without calling here (``offer`` resets it with ``nbytes``)."""
         if rec.tokens == self.config.tokens_per_page and rec.nbytes == self.config.page_bytes:
             ratio = self._cost_ratios.get(rec.depth)
             if ratio is None:
                 ratio = self._cost_ratios[rec.depth] = self._compute_cost_ratio(rec)
+            rec.cost_ratio = ratio
             return ratio
         return self._compute_cost_ratio(rec)
 
@@ -958,16 +962,12 @@ class TierManager:
     # parent's counts, the orders and the clean list from the before/after masks.
 
     def _holds(self, rec: PageRec) -> int:
-        held = rec.tiers & ~rec.leaving
-        if held & 2 and rec.tiers & 4:
-            held &= ~2
-        if held & 1 and rec.tiers & 6:
-            held &= ~1
-        return held
+        return _held(rec.tiers, rec.leaving)
 
     def _changed(self, rec: PageRec, held_before: int, clean_before: bool) -> None:
+        tiers = rec.tiers
         if self._owned_hbm:
-            hbm_clean = rec.tiers & 3 == 3
+            hbm_clean = tiers & 3 == 3
             if hbm_clean and not rec.hbm_clean:
                 rec.hbm_clean = True
                 self._clean_hbm_count += 1
@@ -978,7 +978,7 @@ class TierManager:
                 self._clean_hbm_count -= 1
                 self._clean_hbm.remove(rec)
                 self._enter_order(rec, HBM)
-        clean = rec.tiers & 6 == 6
+        clean = tiers & 6 == 6
         if clean != clean_before:
             if clean:
                 self._clean_dram += 1
@@ -988,39 +988,46 @@ class TierManager:
                 self._clean_dram -= 1
                 self._clean_fifo.remove(rec)
                 self._enter_order(rec, DRAM)
-        held = self._holds(rec)
-        if held != held_before and rec.parent is not None:
-            for tier in (HBM, DRAM, NVME):
-                bit = BIT[tier]
-                if held & bit and not held_before & bit:
-                    self._child_arrived(rec.parent, tier)
-                elif held_before & bit and not held & bit:
-                    self._child_gone(rec.parent, tier)
+        held = _held(tiers, rec.leaving)
+        if held == held_before or rec.parent is None:
+            return
+        parent = self._pages.get(rec.parent)
+        if parent is None:
+            return
+        for tier in (0, 1, 2):  # plain ints: the tiers' enum members index slower
+            bit = 1 << tier
+            if held & bit and not held_before & bit:
+                self._child_arrived(parent, tier)
+            elif held_before & bit and not held & bit:
+                self._child_gone(parent, tier)
 
     def _set_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
-        if rec.tiers & bit:
+        tiers = rec.tiers
+        if tiers & bit:
             return
-        held, clean = self._holds(rec), rec.tiers & 6 == 6
-        rec.tiers |= bit
+        held = _held(tiers, rec.leaving)
+        rec.tiers = tiers | bit
         self._count[tier] += 1
         self._used[tier] += self._tier_bytes(rec, tier)
         self._enter_order(rec, tier)
-        self._changed(rec, held, clean)
+        self._changed(rec, held, tiers & 6 == 6)
 
     def _clear_tier(self, rec: PageRec, tier: int) -> None:
         bit = BIT[tier]
-        if not rec.tiers & bit:
+        tiers = rec.tiers
+        if not tiers & bit:
             return
-        held, clean = self._holds(rec), rec.tiers & 6 == 6
-        rec.tiers &= ~bit
+        held = _held(tiers, rec.leaving)
+        rec.tiers = tiers & ~bit
         self._count[tier] -= 1
-        self._used[tier] -= self._tier_bytes(rec, tier)
+        nbytes = self._tier_bytes(rec, tier)
+        self._used[tier] -= nbytes
         self._orders[tier].remove(rec)
         if rec.leaving & bit:
             rec.leaving &= ~bit
-            self._leaving[tier] -= self._tier_bytes(rec, tier)
-        self._changed(rec, held, clean)
+            self._leaving[tier] -= nbytes
+        self._changed(rec, held, tiers & 6 == 6)
         if tier == HBM and rec.hbm_slot >= 0:
             self._hbm.free(rec.hbm_slot)
             rec.hbm_slot = -1
@@ -1028,52 +1035,63 @@ class TierManager:
             self._dram.free(rec.dram_slot)
             rec.dram_slot = -1
 
-    def _child_arrived(self, parent_key: bytes, tier: int) -> None:
-        parent = self._pages.get(parent_key)
-        if parent is None:
-            return
-        parent.resident_children[tier] += 1
-        if tier == NVME and parent.resident_children[NVME] == 1:
+    def _child_arrived(self, parent: PageRec, tier: int) -> None:
+        children = parent.resident_children
+        children[tier] += 1
+        if tier == 2 and children[2] == 1:
             # NVMe deletes: only leaves are victims, so a parent waits outside the
             # order (scanning past it at every eviction would cost more than the rest).
             self._orders[NVME].remove(parent)
 
-    def _child_gone(self, parent_key: bytes, tier: int) -> None:
-        parent = self._pages.get(parent_key)
-        if parent is None or parent.resident_children[tier] <= 0:
+    def _child_gone(self, parent: PageRec, tier: int) -> None:
+        children = parent.resident_children
+        if children[tier] <= 0:
             return
-        parent.resident_children[tier] -= 1
-        if tier == NVME and not parent.resident_children[NVME]:
+        children[tier] -= 1
+        if tier == 2 and not children[2]:
             self._enter_order(parent, NVME)
 
     def _busy(self, rec: PageRec, state: PageState) -> None:
         """A copy in or out of the page starts: it is no one's victim until it lands
         (so an order's head is always a candidate, never a page in flight)."""
-        if rec.state is PageState.READY:
-            for tier in (HBM, DRAM, NVME):
-                if rec.tiers & BIT[tier]:
-                    self._orders[tier].remove(rec)
+        if rec.state is _READY:
+            tiers = rec.tiers
+            orders = self._orders
+            if tiers & 1:
+                orders[0].remove(rec)
+            if tiers & 2:
+                orders[1].remove(rec)
+            if tiers & 4:
+                orders[2].remove(rec)
         rec.state = state
 
     def _settle(self, rec: PageRec) -> None:
-        if rec.state is PageState.READY:
+        if rec.state is _READY:
             return
-        rec.state = PageState.READY
-        for tier in (HBM, DRAM, NVME):
-            self._enter_order(rec, tier)
+        rec.state = _READY
+        tiers = rec.tiers & ~rec.leaving  # _enter_order's first test, per tier
+        if tiers & 1:
+            self._enter_order(rec, 0)
+        if tiers & 2:
+            self._enter_order(rec, 1)
+        if tiers & 4:
+            self._enter_order(rec, 2)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""
-        bit = BIT[tier]
-        if (
-            rec.tiers & bit
-            and not rec.leaving & bit
-            and rec.state is PageState.READY
-            and not (tier == DRAM and rec.tiers & 6 == 6)  # clean: in the clean list
-            and not (tier == HBM and rec.tiers & 2)  # a DRAM copy: in the HBM clean list
-            and not (tier == NVME and rec.resident_children[NVME])  # NVMe: leaves only
-        ):
-            self._orders[tier].add(rec)
+        tiers = rec.tiers
+        bit = 1 << tier
+        if not tiers & bit or rec.leaving & bit or rec.state is not _READY:
+            return
+        if tier == 1:
+            if tiers & 4:
+                return  # clean: in the clean list
+        elif tier == 0:
+            if tiers & 2:
+                return  # a DRAM copy: in the HBM clean list
+        elif rec.resident_children[2]:
+            return  # NVMe: leaves only
+        self._orders[tier].add(rec)
 
     def _leave(self, rec: PageRec, tier: int) -> None:
         """A demotion out of ``tier`` began: the parent may go in the same batch."""
@@ -1160,7 +1178,7 @@ class TierManager:
                 return admit(rec, DRAM, 0, tau)
 
         def eligible(rec: PageRec) -> bool:
-            if rec.pins or rec.waiters or rec.state is not PageState.READY:
+            if rec.pins or rec.waiters or rec.state is not _READY:
                 return False
             if rec.resident_children[tier] and (below is None or not below(rec)):
                 return False
@@ -1178,7 +1196,7 @@ class TierManager:
         if len(clean_list):
             # Pages with a copy below go at once (lowest rank first, as any victim);
             # a demotion would free nothing now.
-            clean = clean_list.victims(batch, _freeable, 64)
+            clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
             for rec in clean:
                 self._clear_tier(rec, tier)
                 self._bump(f"evict:{TIER_NAMES[tier]}:clean")
@@ -1188,7 +1206,7 @@ class TierManager:
             # Next best: a leaf NVMe declines — dropping it frees the slot now, where
             # a page NVMe wants would only queue a write.
             eligible = self._eligible(DRAM, False)
-            droppable = self._orders[DRAM].victims(
+            droppable = self._orders[DRAM].take(  # each one is cleared below
                 batch, lambda r: eligible(r) and not self._admits_nvme(r), 256
             )
             if not droppable:
@@ -1196,7 +1214,7 @@ class TierManager:
                 # than recompute): drop the lowest page NVMe declines even with
                 # children in DRAM. They become unreachable and go as leaves later;
                 # stalling instead would decline every new page.
-                droppable = self._orders[DRAM].victims(
+                droppable = self._orders[DRAM].take(
                     1, lambda r: _copyable(r) and not self._admits_nvme(r), 64
                 )
                 if droppable:
@@ -1226,11 +1244,13 @@ class TierManager:
             return 0
         now = self._now()
         order = self._orders[tier]
+        # NVMe deletes every victim it is given; HBM and DRAM may stop part-way (blocked).
+        choose = order.take if tier == NVME else order.victims
         done = 0
         for _ in range(4):  # a chain frees its tail first: a few rounds per batch
-            victims = order.victims(want - done, self._eligible(tier, force), want * 8 + 64)
+            victims = choose(want - done, self._eligible(tier, force), want * 8 + 64)
             if not victims and not force and done == 0:
-                victims = order.victims(want, self._eligible(tier, True), want * 8 + 64)
+                victims = choose(want, self._eligible(tier, True), want * 8 + 64)
                 if victims:
                     self._bump("hysteresis_overridden", len(victims))
             if not victims:
@@ -1374,7 +1394,8 @@ class TierManager:
         def dirty(rec: PageRec) -> bool:
             return not rec.tiers & 5 and _copyable(rec) and self._admits_nvme(rec)
 
-        picked = self._orders[DRAM].victims(want, dirty, 4 * want + 64)
+        # take: _write_back marks every one busy, which removes it from the order.
+        picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
         if picked:
             self._bump("precleaned", len(picked))
             self._write_back(picked, demote=False)
@@ -2009,14 +2030,28 @@ def _parse_stats(data: object, where: str) -> _ParsedStats:
     return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
 
 
+_READY = PageState.READY  # a module constant: the enum attribute costs a lookup per use
+
+
+def _held(tiers: int, leaving: int) -> int:
+    """The tier bits in which a page with ``tiers`` and ``leaving`` holds its parent:
+    resident and staying, and (HBM, DRAM) with no copy below (see ``_changed``)."""
+    held = tiers & ~leaving
+    if held & 2 and tiers & 4:
+        held &= ~2
+    if held & 1 and tiers & 6:
+        held &= ~1
+    return held
+
+
 def _freeable(rec: PageRec) -> bool:
     """A clean copy that can go at once: no pin, no waiter, no copy in flight."""
-    return not rec.pins and not rec.waiters and rec.state is PageState.READY
+    return not rec.pins and not rec.waiters and rec.state is _READY
 
 
 def _copyable(rec: PageRec) -> bool:
     """A page whose bytes may be copied to a lower tier now (cleaning, not evicting)."""
-    return not rec.pins and not rec.waiters and rec.state is PageState.READY
+    return not rec.pins and not rec.waiters and rec.state is _READY
 
 
 class _Waiter(NamedTuple):

@@ -61,6 +61,7 @@ class PageRec:
     __slots__ = (
         "admit_epoch",
         "admit_nvme",
+        "cost_ratio",
         "deadline_s",
         "demoted_at_s",
         "depth",
@@ -114,6 +115,9 @@ class PageRec:
         self.waiters: list[object] | None = None
         self.admit_epoch = -1  # the manager's admission epoch admit_nvme was decided in
         self.admit_nvme = False
+        # Φ's cost term, cached by the manager for a full page (it depends on the depth
+        # alone); -1: not cached. Reset wherever ``nbytes`` changes.
+        self.cost_ratio = -1.0
 
     def in_tier(self, tier: int) -> bool:
         return bool(self.tiers & BIT[tier])

@@ -227,6 +227,7 @@ class EvictionOrder(Protocol):
     def touch(self, rec: PageRec) -> None: ...
     def remove(self, rec: PageRec) -> None: ...
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
+    def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
     def __iter__(self) -> Iterator[PageRec]: ...
     def unordered(self) -> list[PageRec]: ...
 
@@ -279,7 +280,8 @@ class PhiOrder:
         phi = w1 * (rec.last_access_s - _DEPTH_TIE_S * rec.depth) / self._scale
         phi += w2 * math.log1p(rec.hits)
         if w3:
-            phi += w3 * self._cost_ratio(rec)
+            ratio = rec.cost_ratio  # the manager's cache (full pages); -1: ask it
+            phi += w3 * (ratio if ratio >= 0 else self._cost_ratio(rec))
         if w4 and rec.deadline_s is not None and rec.last_access_s > rec.deadline_s:
             phi -= w4 * (rec.last_access_s - rec.deadline_s) / self._scale
         return phi
@@ -287,8 +289,9 @@ class PhiOrder:
     def add(self, rec: PageRec) -> None:
         seq = next(self._seq)
         self._member[rec.key] = seq
-        heapq.heappush(self._heap, (self.score(rec), seq, rec))
-        if len(self._heap) > 4 * len(self._member) + 1024:
+        heap = self._heap
+        heapq.heappush(heap, (self.score(rec), seq, rec))
+        if len(heap) > 4 * len(self._member) + 1024:
             self._compact()
 
     def touch(self, rec: PageRec) -> None:
@@ -305,27 +308,44 @@ class PhiOrder:
         heapq.heapify(self._heap)
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
-        heap, member = self._heap, self._member
+        return self._scan(n, eligible, scan, refile_victims=True)
+
+    def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+        """``victims`` for a caller that removes every one before it next asks this
+        order anything: their heap entries are not filed back, which spares a push now
+        and the pop of a stale entry later (the member map still holds them until
+        ``remove``)."""
+        return self._scan(n, eligible, scan, refile_victims=False)
+
+    def _scan(
+        self, n: int, eligible: Callable[[PageRec], bool], scan: int, *, refile_victims: bool
+    ) -> list[PageRec]:
+        heap = self._heap
+        member_seq = self._member.get
+        score = self.score
+        pop, push = heapq.heappop, heapq.heappush
         out: list[PageRec] = []
         kept: list[tuple[float, int, PageRec]] = []
         while heap and len(out) < n and scan > 0:
-            entry = heapq.heappop(heap)
+            entry = pop(heap)
             rec = entry[2]
-            if member.get(rec.key) != entry[1]:
+            if member_seq(rec.key) != entry[1]:
                 continue  # stale: removed (or re-filed) since
             scan -= 1
-            current = self.score(rec)
+            current = score(rec)
             if current > entry[0]:
                 # Touched since it was filed: re-file it at its rank now.
                 seq = next(self._seq)
-                member[rec.key] = seq
-                heapq.heappush(heap, (current, seq, rec))
+                self._member[rec.key] = seq
+                push(heap, (current, seq, rec))
                 continue
-            kept.append(entry)
             if eligible(rec):
                 out.append(rec)
+                if not refile_victims:
+                    continue
+            kept.append(entry)
         for entry in kept:
-            heapq.heappush(heap, entry)
+            push(heap, entry)
         return out
 
 
@@ -418,6 +438,9 @@ class ARCOrder:
                     if len(out) >= n:
                         return out
         return out
+
+    def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+        return self.victims(n, eligible, scan)
 
 
 def make_order(
