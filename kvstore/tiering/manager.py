@@ -1710,8 +1710,11 @@ class TierManager:
                 self._stay(rec, HBM)
                 self._enter_order(rec, HBM)
                 continue
-            self._settle(rec)
+            # The new tier first, then settle: settling first would file the page in
+            # HBM's order only for _set_tier to move it to the clean list (a stale
+            # entry). The orders' ranks come out the same either way.
             self._set_tier(rec, DRAM)
+            self._settle(rec)
             if keep:
                 continue  # now clean in HBM: freed at once when a slot is wanted
             if rec.pins == 0 and not rec.waiters:
@@ -1727,17 +1730,19 @@ class TierManager:
         for index, rec in enumerate(recs):
             stored = ticket.error is None and results is not None and results[index]
             self._nvme_reserved -= rec.nbytes
-            self._settle(rec)
             if stored:
                 self._nvme_written[0] += 1
                 self._nvme_written[1] += rec.nbytes
                 self._write_window.append((now, rec.nbytes))
+                # Before settling, as in _demote_done: a page that turns clean goes
+                # to the clean list without a stop in DRAM's order.
                 self._set_tier(rec, NVME)
                 if rec.retained and self._store is not None:
                     with contextlib.suppress(KVStoreError):
                         self._store.retain(rec.key)
             else:
                 self._bump("write_failures")
+            self._settle(rec)
             if demote and rec.pins == 0 and not rec.waiters and rec.in_tier(DRAM):
                 self._clear_tier(rec, DRAM)
                 if not stored:
