@@ -135,7 +135,7 @@ class TierConfig:
     eviction: str = "phi"
     placement: str = "write_back"
     # Φ = w1·recency + w2·log1p(hits) + w3·recompute-per-byte − w4·SLO deficit.
-    phi_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.5, 1.0)
+    phi_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.0, 1.0)
     recency_scale_s: float = 60.0  # one unit of recency per this many seconds of age
     hit_half_life_s: float = 600.0  # decayed hit counts halve in this time
     hysteresis_s: float = 1.0

@@ -61,6 +61,7 @@ class PageRec:
     __slots__ = (
         "admit_epoch",
         "admit_nvme",
+        "children",
         "cost_ratio",
         "deadline_s",
         "demoted_at_s",
@@ -80,6 +81,7 @@ class PageRec:
         "resident_children",
         "retained",
         "reused",
+        "shared",
         "state",
         "tag",
         "tiers",
@@ -108,6 +110,9 @@ class PageRec:
         self.resident_children = [0, 0, 0]
         self.leaving = 0  # tier bits this page is being demoted out of
         self.retained = False
+        self.children = 0  # child records created under this page (a count, not a list)
+        # A branch at or below this page: the prefix is shared by several continuations.
+        self.shared = False
         self.reused = False
         self.deadline_s: float | None = None
         self.tag = ""

@@ -240,7 +240,8 @@ class PhiOrder:
     """Φ lowest first, in a lazy heap.
 
     Φ_i = w1·Recency + w2·log1p(decayed hits) + w3·T_recompute/M_KV − w4·SLO_deficit
-    (seed 000). Recency is ``last_access_s / recency_scale_s``: a linear decay in
+    (seed 000), the hits term for shared pages only (``PageRec.shared``). Recency
+    is ``last_access_s / recency_scale_s``: a linear decay in
     time, so Φ of an untouched page falls by the same amount for every page and the
     heap's order stays valid between touches. A touch only raises a page's Φ, so an
     entry is re-filed lazily: when it reaches the head with a Φ below its page's
@@ -278,7 +279,11 @@ class PhiOrder:
         # Pages touched at one instant (a request's blocks): the deeper goes first, so
         # a chain leaves a tier from its tail (vLLM and SGLang free tails first too).
         phi = w1 * (rec.last_access_s - _DEPTH_TIE_S * rec.depth) / self._scale
-        phi += w2 * math.log1p(rec.hits)
+        if rec.shared:
+            # Frequency only where the prefix branches (a system prompt, a shared
+            # document): a chain re-read by its own next turn is ranked by recency,
+            # which its every turn renews (`kvstore sim`: multi-turn vs mixed traces).
+            phi += w2 * math.log1p(rec.hits)
         if w3:
             ratio = rec.cost_ratio  # the manager's cache (full pages); -1: ask it
             phi += w3 * (ratio if ratio >= 0 else self._cost_ratio(rec))

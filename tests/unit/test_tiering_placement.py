@@ -53,11 +53,11 @@ def _request(tm: TierManager, keys: list[bytes]) -> None:
 
 
 def test_an_hbm_page_with_only_an_nvme_copy_is_demoted_to_dram_not_dropped() -> None:
-    tm = _manager(eviction="lru")
+    tm = _manager(eviction="lru", dram_bytes=16 * PAGE)
     try:
         _request(tm, [b"a"])
-        # Push "a" down to NVMe only: HBM (4) and DRAM (8) fill with others.
-        for i in range(30):
+        # Push "a" down to NVMe only: HBM (4) and DRAM (16) fill with others.
+        for i in range(60):
             _request(tm, [b"f%d" % i])
         assert _tiers(tm, b"a") == {NVME}
         # A hit brings it back up (NVMe -> DRAM, then the offer takes it into HBM).
@@ -88,5 +88,29 @@ def test_a_request_chain_leaves_hbm_from_its_tail() -> None:
         # Whatever left is a suffix of the chain.
         first_gone = in_hbm.index(False)
         assert not any(in_hbm[first_gone:]), in_hbm
+    finally:
+        tm.close()
+
+
+def test_frequency_counts_only_where_the_prefix_branches() -> None:
+    """A chain re-read by its own next turn is ranked by recency; a prefix that
+    branches (a system prompt under many user turns) also by its hits."""
+    tm = _manager(dram_bytes=64 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        _request(tm, [b"chat0", b"chat1"])
+        _request(tm, [b"chat0", b"chat1", b"chat2"])  # the next turn: one child each
+        for user in (b"u0", b"u1", b"u2"):
+            _request(tm, [b"sys0", b"sys1", user])  # three continuations of sys1
+        pages = tm._pages
+        assert not pages[b"chat0"].shared and not pages[b"chat1"].shared
+        assert pages[b"sys1"].shared and pages[b"sys0"].shared  # the branch and above
+        assert not pages[b"u0"].shared
+        order = tm._orders[HBM]
+        # Same hits, same recency: only the shared page's hits raise its rank.
+        chat, sys_page = pages[b"chat0"], pages[b"sys0"]
+        chat.hits = sys_page.hits = 3.0
+        chat.last_access_s = sys_page.last_access_s = 10.0
+        chat.depth = sys_page.depth = 0
+        assert order.score(sys_page) > order.score(chat)
     finally:
         tm.close()

@@ -19,9 +19,12 @@ from kvstore.tiering.policy import (
 )
 
 
-def rec(name: str, *, last: float = 0.0, hits: float = 0.0, depth: int = 0) -> PageRec:
+def rec(
+    name: str, *, last: float = 0.0, hits: float = 0.0, depth: int = 0, shared: bool = True
+) -> PageRec:
     page = PageRec(name.encode(), None, depth, 256, 4096, last)
     page.hits = hits
+    page.shared = shared  # Φ counts hits only where the prefix branches
     return page
 
 
@@ -54,6 +57,15 @@ def test_phi_order(
         order.add(rec(name, last=last, hits=hits))
     assert take_all(order) == expected
     assert [p.key.decode() for p in order] == expected
+
+
+def test_phi_hits_count_only_for_shared_pages() -> None:
+    """An unshared chain (one continuation) is ranked by recency alone."""
+    order = PhiOrder((1, 1, 0, 0), 60.0, lambda r: 1.0)  # type: ignore[arg-type]
+    order.add(rec("chain-hot", last=0, hits=20, shared=False))
+    order.add(rec("shared-hot", last=0, hits=20, shared=True))
+    order.add(rec("new-cold", last=120, hits=0, shared=False))
+    assert take_all(order) == ["chain-hot", "new-cold", "shared-hot"]
 
 
 def test_phi_cost_and_slo_terms() -> None:
