@@ -63,6 +63,11 @@ META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: forma
 OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
 _HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
 _BATCH = 64  # pages per eviction batch at most
+# The DRAM clean reserve's growth per allocation that found none, its ceiling, and
+# the time constant of its decay back to 1 - watermark_low (chosen by `kvstore sim`).
+_RESERVE_STEP = 0.1
+_RESERVE_MAX = 0.5
+_RESERVE_DECAY_S = 1200.0
 _WARM_BATCH = 16
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _NO_CONTEXT = RequestContext()
@@ -175,6 +180,10 @@ class TierManager:
         self._used = [0, 0, 0]  # bytes (slots x slot size for HBM/DRAM)
         self._leaving = [0, 0, 0]  # of which: demotions out of the tier in flight
         self._clean_dram = 0  # DRAM pages that also have their NVMe copy (free at once)
+        # The share of DRAM kept clean: 1 - watermark_low, more while allocations find
+        # no clean page (write-heavy traffic), decaying back when they stop.
+        self._dram_reserve = 1.0 - config.watermark_low
+        self._reserve_at = 0.0
         # The same pages, least recently used first: an allocation under pressure takes these
         # (leaving DRAM makes no hole in a prefix while the NVMe copy stays).
         self._clean_fifo: EvictionOrder = make_order(
@@ -721,7 +730,12 @@ class TierManager:
                     self._evict_to(tier, self.config.watermark_low, force=force)
             if self._owned_hbm and usage[HBM] >= self.config.watermark_low:
                 self._predemote()
-            if usage[DRAM] >= self.config.watermark_low:
+            base = 1.0 - self.config.watermark_low
+            if self._dram_reserve > base:
+                decay = math.exp(-max(now - self._reserve_at, 0.0) / _RESERVE_DECAY_S)
+                self._dram_reserve = base + (self._dram_reserve - base) * decay
+            self._reserve_at = now
+            if usage[DRAM] >= 1.0 - self._dram_reserve:
                 self._preclean()
             self._retry_fetches()
             self._warm_step()
@@ -1217,6 +1231,10 @@ class TierManager:
                 self._bump(f"evict:{TIER_NAMES[tier]}:clean")
             if clean:
                 return
+        if tier == DRAM:
+            # The clean reserve ran dry: grow it (it decays back in step()).
+            self._dram_reserve = min(_RESERVE_MAX, self._dram_reserve + _RESERVE_STEP)
+            self._bump("dram:reserve_dry")
         if tier == DRAM and self._nvme_enabled:
             # Next best: a leaf NVMe declines — dropping it frees the slot now, where
             # a page NVMe wants would only queue a write.
@@ -1400,7 +1418,7 @@ class TierManager:
         allocation under pressure frees a slot at once instead of declining: write
         back, without evicting, the lowest-ranked dirty pages NVMe admits."""
         cap = self._capacity[DRAM]
-        reserve = (1.0 - self.config.watermark_low) * cap
+        reserve = self._dram_reserve * cap
         want = int((reserve - self._clean_dram * self._slot_bytes) // self._slot_bytes)
         if want <= 0 or not self._nvme_enabled or self._emergency or self._write_paced():
             return

@@ -114,3 +114,22 @@ def test_frequency_counts_only_where_the_prefix_branches() -> None:
         assert order.score(sys_page) > order.score(chat)
     finally:
         tm.close()
+
+
+def test_the_dram_clean_reserve_grows_when_allocations_find_none_and_decays_back() -> None:
+    tm = _manager(hbm_bytes=2 * PAGE, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        base = 1.0 - tm.config.watermark_low
+        assert tm._dram_reserve == base
+        # A burst with no time for cleaning: every allocation finds DRAM dirty.
+        for i in range(40):
+            tm.offer([b"b%d" % i], None)
+        grown = tm._dram_reserve
+        assert grown > base + 0.05, grown
+        assert tm._counters.get("dram:reserve_dry", 0) > 0
+        assert grown <= 0.5  # the ceiling
+        for _ in range(10):
+            _tick(tm, 1200.0)
+        assert abs(tm._dram_reserve - base) < 0.01, tm._dram_reserve
+    finally:
+        tm.close()
