@@ -1233,7 +1233,8 @@ class TierManager:
                 return
         if tier == DRAM:
             # The clean reserve ran dry: grow it (it decays back in step()).
-            self._dram_reserve = min(_RESERVE_MAX, self._dram_reserve + _RESERVE_STEP)
+            ceiling = max(_RESERVE_MAX, 1.0 - self.config.watermark_low)
+            self._dram_reserve = min(ceiling, self._dram_reserve + _RESERVE_STEP)
             self._bump("dram:reserve_dry")
         if tier == DRAM and self._nvme_enabled:
             # Next best: a leaf NVMe declines — dropping it frees the slot now, where

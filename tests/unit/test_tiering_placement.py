@@ -133,3 +133,14 @@ def test_the_dram_clean_reserve_grows_when_allocations_find_none_and_decays_back
         assert abs(tm._dram_reserve - base) < 0.01, tm._dram_reserve
     finally:
         tm.close()
+
+
+def test_a_configured_reserve_above_the_ceiling_is_never_lowered() -> None:
+    tm = _manager(hbm_bytes=2 * PAGE, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE, watermark_low=0.3)
+    try:
+        for i in range(40):
+            tm.offer([b"b%d" % i], None)
+        assert tm._counters.get("dram:reserve_dry", 0) > 0
+        assert tm._dram_reserve >= 0.7 - 1e-9, tm._dram_reserve
+    finally:
+        tm.close()
