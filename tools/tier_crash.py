@@ -294,21 +294,13 @@ class HitCount:
 
 def replay_config(path: Path, **overrides: Any) -> TierConfig:
     """HBM 64 pages, DRAM 256, NVMe unbounded: the trace's working set (about 1,500
-    blocks of live sessions) spills to NVMe, so its hits are measurable there.
-
-    ``watermark_low=0.3``: the manager keeps 70% of HBM and DRAM clean (written back
-    ahead, docs/tiering.md), so a crash loses little that only HBM or DRAM held. With
-    the default 0.85 (a 15% clean reserve) about 80% of the upper tiers' pages have
-    no NVMe copy at any moment, and the 1,000 requests after a restart lose 4-8% of
-    their NVMe hits against the same requests without one (see the test)."""
+    blocks of live sessions) spills to NVMe, so its hits are measurable there. The
+    watermarks and clean reserves are the defaults (``overrides`` may change them)."""
     options: dict[str, Any] = dict(
         hbm_bytes=64 * REPLAY_PAGE,
         dram_bytes=256 * REPLAY_PAGE,
         control_interval_s=0.0,  # the replay steps the manager once per request
         persist_stats_s=0.5,
-        watermark_low=0.3,
-        watermark_warn=0.9,
-        watermark_force=0.95,
     )
     options.update(overrides)
     return tier_config(path, REPLAY_PAGE, **options)
