@@ -982,14 +982,13 @@ class TierManager:
 
     def _changed(self, rec: PageRec, held_before: int, clean_before: bool) -> None:
         tiers = rec.tiers
-        if self._owned_hbm:
-            hbm_clean = tiers & 3 == 3
-            if hbm_clean and not rec.hbm_clean:
+        if self._owned_hbm and (tiers & 3 == 3) != rec.hbm_clean:
+            if not rec.hbm_clean:
                 rec.hbm_clean = True
                 self._clean_hbm_count += 1
                 self._clean_hbm.add(rec)
                 self._orders[HBM].remove(rec)
-            elif not hbm_clean and rec.hbm_clean:
+            else:
                 rec.hbm_clean = False
                 self._clean_hbm_count -= 1
                 self._clean_hbm.remove(rec)
@@ -1004,7 +1003,12 @@ class TierManager:
                 self._clean_dram -= 1
                 self._clean_fifo.remove(rec)
                 self._enter_order(rec, DRAM)
-        held = _held(tiers, rec.leaving)
+        # _held, inlined (this runs at every tier change)
+        held = tiers & ~rec.leaving
+        if held & 2 and tiers & 4:
+            held &= ~2
+        if held & 1 and tiers & 6:
+            held &= ~1
         if held == held_before or rec.parent is None:
             return
         parent = self._pages.get(rec.parent)
@@ -1025,7 +1029,9 @@ class TierManager:
         held = _held(tiers, rec.leaving)
         rec.tiers = tiers | bit
         self._count[tier] += 1
-        self._used[tier] += self._tier_bytes(rec, tier)
+        # _tier_bytes, inlined
+        owned = tier == DRAM or (tier == HBM and self._owned_hbm)
+        self._used[tier] += self._slot_bytes if owned else rec.nbytes
         self._enter_order(rec, tier)
         self._changed(rec, held, tiers & 6 == 6)
 
@@ -1037,7 +1043,8 @@ class TierManager:
         held = _held(tiers, rec.leaving)
         rec.tiers = tiers & ~bit
         self._count[tier] -= 1
-        nbytes = self._tier_bytes(rec, tier)
+        owned = tier == DRAM or (tier == HBM and self._owned_hbm)  # _tier_bytes, inlined
+        nbytes = self._slot_bytes if owned else rec.nbytes
         self._used[tier] -= nbytes
         self._orders[tier].remove(rec)
         if rec.leaving & bit:
@@ -1097,13 +1104,16 @@ class TierManager:
         if rec.state is _READY:
             return
         rec.state = _READY
-        tiers = rec.tiers & ~rec.leaving  # _enter_order's first test, per tier
-        if tiers & 1:
-            self._enter_order(rec, 0)
-        if tiers & 2:
-            self._enter_order(rec, 1)
-        if tiers & 4:
-            self._enter_order(rec, 2)
+        # _enter_order's tests, inlined: a settled page enters each order it belongs in
+        all_tiers = rec.tiers
+        tiers = all_tiers & ~rec.leaving
+        orders = self._orders
+        if tiers & 1 and not all_tiers & 2:
+            orders[0].add(rec)
+        if tiers & 2 and not all_tiers & 4:
+            orders[1].add(rec)
+        if tiers & 4 and not rec.resident_children[2]:
+            orders[2].add(rec)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""
@@ -1226,9 +1236,10 @@ class TierManager:
             # Pages with a copy below go at once (lowest rank first, as any victim);
             # a demotion would free nothing now.
             clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
+            counter = _EVICT_CLEAN[tier]
             for rec in clean:
                 self._clear_tier(rec, tier)
-                self._bump(f"evict:{TIER_NAMES[tier]}:clean")
+                self._bump(counter)
             if clean:
                 return
         if tier == DRAM:
@@ -2072,6 +2083,7 @@ def _parse_stats(data: object, where: str) -> _ParsedStats:
     return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
 
 
+_EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
 _READY = PageState.READY  # a module constant: the enum attribute costs a lookup per use
 
 
