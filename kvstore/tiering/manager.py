@@ -311,18 +311,19 @@ class TierManager:
             self._check_open()
             self._harvest()
             pages = self._pages
-            access = self._reuse.access
             tag = ctx.tag
             hit_recs: list[PageRec] = []
+            walked: list[bytes] = []  # the hit keys and the first miss: the reuse count's
             tiers: list[int] = []
             sizes: list[int] = []
             extra: list[float] | None = None
             by_tier = [0, 0, 0]
+            maybe_pending = False  # a page on NVMe only or in flight: the fetch check below
             now = self._now()
-            for depth, raw in enumerate(keys):
+            for raw in keys:
                 key = raw if type(raw) is bytes else page_key(raw)
                 rec = pages.get(key)
-                access(key, depth, tag, lookup=True)
+                walked.append(key)
                 if rec is None or not rec.tiers:
                     break
                 tier = _TOP_TIER[rec.tiers]
@@ -332,11 +333,16 @@ class TierManager:
                 sizes.append(rec.nbytes)
                 page_state = rec.state
                 if page_state is not PageState.READY and page_state is not PageState.EVICTING:
+                    maybe_pending = True
                     if extra is None:
                         extra = [0.0] * (len(tiers) - 1)
                     extra.append(self._wait_estimate(rec))
-                elif extra is not None:
-                    extra.append(0.0)
+                else:
+                    if tier == NVME:
+                        maybe_pending = True
+                    if extra is not None:
+                        extra.append(0.0)
+            self._reuse.access_lookup(walked, tag)
             # Leaves older than their parents at the same instant: chains go from the
             # tail. _touch, inlined: this runs once per hit page.
             if self._orders_track_touches or ctx.deadline_s is not None:
@@ -345,9 +351,15 @@ class TierManager:
             else:
                 decay = self._decay_per_s
                 exp = math.exp
+                last_age, factor = -1.0, 1.0  # a prefix's pages mostly share one age
                 for rec in reversed(hit_recs):
                     age = now - rec.last_access_s
-                    rec.hits = rec.hits * exp(-decay * age) + 1.0 if age > 0 else rec.hits + 1.0
+                    if age > 0:
+                        if age != last_age:
+                            last_age, factor = age, exp(-decay * age)
+                        rec.hits = rec.hits * factor + 1.0
+                    else:
+                        rec.hits = rec.hits + 1.0
                     rec.last_access_s = now
                     rec.reused = True
             total = tokens if tokens is not None else ctx.tokens
@@ -371,7 +383,7 @@ class TierManager:
             if load < hit:
                 self._bump("recompute:" + ("no_hit" if hit == 0 else "faster"))
             state = LookupState.MISS if load == 0 else LookupState.READY
-            if load:
+            if load and maybe_pending:
                 pending = [
                     r
                     for r in hit_recs[:load]
@@ -381,7 +393,7 @@ class TierManager:
                 if pending:
                     state = LookupState.PENDING
                     self._fetch(pending, Priority.DEMAND)
-            plan = LoadPlan(tuple(r.key for r in hit_recs), tuple(tiers), load, cost, reason)
+            plan = LoadPlan(tuple(walked[:hit]), tuple(tiers), load, cost, reason)
             return LookupResult(state, hit, (by_tier[0], by_tier[1], by_tier[2]), plan)
 
     def prepare_load(

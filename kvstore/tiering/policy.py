@@ -40,6 +40,9 @@ __all__ = [
 
 _COUNT_DECAY = 0.9995  # per event: class statistics follow a workload over ~2,000 events
 _DEPTH_BUCKETS = 8
+# depth_bucket by table for the depths a walk meets (depth.bit_length(), capped).
+_BUCKET_TABLE = 1 << (_DEPTH_BUCKETS - 1)
+_BUCKET_OF = tuple(min(d.bit_length(), _DEPTH_BUCKETS - 1) for d in range(_BUCKET_TABLE))
 
 
 def depth_bucket(depth: int) -> int:
@@ -92,6 +95,39 @@ class ReuseEstimator:
             entry[1] = (bucket, True, tag)
         entry[2] = True
         return count
+
+    def access_lookup(self, keys: list[bytes], tag: str) -> None:
+        """``access(key, depth, tag, lookup=True)`` for ``keys[depth]`` in order: a
+        lookup's walk in one call (the same counts, without a call per page)."""
+        history = self._history
+        classes = self._classes
+        limit = self._limit
+        buckets = _BUCKET_OF
+        deep = _DEPTH_BUCKETS - 1
+        for depth, key in enumerate(keys):
+            entry = history.get(key)
+            bucket = buckets[depth] if depth < _BUCKET_TABLE else deep
+            if entry is None:
+                history[key] = [1, (bucket, False, tag), True, True]
+                if len(history) > limit:
+                    _, old = history.popitem(last=False)
+                    if old[2]:
+                        self._count(old[1], reused=False)  # type: ignore[arg-type]
+                continue
+            history.move_to_end(key)
+            entry[3] = True
+            if entry[2]:
+                cls = entry[1]
+                stats = classes.get(cls)  # type: ignore[call-overload]
+                if stats is None:
+                    stats = classes[cls] = [0.0, 0.0]  # type: ignore[index]
+                stats[0] = stats[0] * _COUNT_DECAY + 1.0
+                stats[1] *= _COUNT_DECAY
+            entry[0] = entry[0] + 1  # type: ignore[operator]
+            cls = entry[1]
+            if cls[0] != bucket or not cls[1] or cls[2] != tag:  # type: ignore[index]
+                entry[1] = (bucket, True, tag)
+            entry[2] = True
 
     def seen(self, key: bytes) -> int:
         entry = self._history.get(key)

@@ -216,3 +216,22 @@ def test_admission_modes(mode: str, threshold: int, seen: int, expected: tuple[b
     assert tuple(admission.admit(page, t, seen, 0.0) for t in range(3)) == expected
     page.retained = True
     assert all(admission.admit(page, t, seen, math.inf) for t in range(3))
+
+
+def test_access_lookup_counts_exactly_as_one_access_per_page() -> None:
+    """The lookup's one-call walk against ``access(..., lookup=True)`` per page."""
+    rng = random.Random(5)
+    one, walk = ReuseEstimator(64, (1.0, 3.0)), ReuseEstimator(64, (1.0, 3.0))
+    for _ in range(400):
+        keys = [b"k%d" % rng.randrange(120) for _ in range(rng.randrange(1, 200))]
+        tag = rng.choice(["a", "b"])
+        if rng.random() < 0.3:  # offers in between, as a request's offer follows
+            for depth, key in enumerate(keys):
+                one.access(key, depth, tag, lookup=False)
+                walk.access(key, depth, tag, lookup=False)
+            continue
+        for depth, key in enumerate(keys):
+            one.access(key, depth, tag, lookup=True)
+        walk.access_lookup(keys, tag)
+    assert list(one._history.items()) == list(walk._history.items())
+    assert one._classes == walk._classes
