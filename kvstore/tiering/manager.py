@@ -784,9 +784,11 @@ class TierManager:
             # Harvest here too: a copy that landed settles its handle now, not at the
             # control thread's next cycle (up to control_interval_s later).
             with self._lock:
-                if not self._closed:
-                    self._harvest()
-            time.sleep(0.0002)
+                harvested = 0 if self._closed else self._harvest()
+            if not harvested:
+                # Woken by the next completion (a 0.2 ms backstop). Not the since= form:
+                # a completion the control thread polled first would stall it 2 ms.
+                self._mover.wait_completed(0.0002)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing is in flight and every completion is harvested (tests,
@@ -1593,8 +1595,18 @@ class TierManager:
                 sizes=[r.nbytes for r in batch],
             )
         else:
+            # Reads of a few pages each: the first pages' copies out of DRAM run while
+            # the later pages are still being read (one read would serialise them).
             views = [self._dram.view(r.dram_slot, r.nbytes) for r in batch]
-            self._mover.nvme_read(self._store, keys, views, priority=priority, tag=("read", batch))
+            step = _READ_CHUNK_PAGES
+            for i in range(0, len(batch), step):
+                self._mover.nvme_read(
+                    self._store,
+                    keys[i : i + step],
+                    views[i : i + step],
+                    priority=priority,
+                    tag=("read", batch[i : i + step]),
+                )
         return len(batch)
 
     def _add_waiter(
@@ -1604,7 +1616,12 @@ class TierManager:
             rec.waiters = []
         rec.waiters.append(_Waiter(handle, index, dst, wait_event))
 
-    def _fire_waiters(self, rec: PageRec, *, ok: bool) -> None:
+    def _fire_waiters(
+        self, rec: PageRec, *, ok: bool, batch: dict[tuple[int, Path, int], _Copy] | None = None
+    ) -> None:
+        """Copy the page to each waiting load's destination (or fail the load). With
+        ``batch``, the copies are collected there per (load, path, event) for the
+        caller to submit as one ticket each."""
         waiters, rec.waiters = rec.waiters, None
         if not waiters:
             return
@@ -1618,7 +1635,14 @@ class TierManager:
                 self._bump("load_failures")
                 continue
             path, view = source
-            self._copy_to_destination(handle, path, [(index, view, dst)], wait_event)
+            if batch is None:
+                self._copy_to_destination(handle, path, [(index, view, dst)], wait_event)
+                continue
+            group = (id(handle), path, id(wait_event))
+            entry = batch.get(group)
+            if entry is None:
+                entry = batch[group] = _Copy(handle, path, [], wait_event)
+            entry.items.append((index, view, dst))
 
     def _copy_to_destination(
         self,
@@ -1682,9 +1706,10 @@ class TierManager:
         event = tickets[-1].event if tickets else None
         return ReleaseHandle(lambda: all(t.done() for t in tickets), self._pump, event)
 
-    def _harvest(self) -> None:
-        """Process completed tickets (R6: before any eviction decision)."""
-        for ticket in self._mover.poll():
+    def _harvest(self) -> int:
+        """Process completed tickets (R6: before any eviction decision); how many."""
+        tickets = self._mover.poll()
+        for ticket in tickets:
             tag = ticket.tag
             if not isinstance(tag, tuple):
                 continue
@@ -1710,6 +1735,7 @@ class TierManager:
                 self._read_done(ticket, tag[1])
             elif kind == "load":
                 self._load_done(ticket, tag[1], tag[2])
+        return len(tickets)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
         pair = _LAYERS.get(path)
@@ -1814,6 +1840,10 @@ class TierManager:
         results = ticket.results
         now = self._now()
         exclusive = self.config.placement == "exclusive"
+        # Real mover: one copy ticket per load for the whole read, not one per page
+        # (fewer tickets and wake-ups). The fake mover keeps one per page: its
+        # simulated timing, and so every simulated decision, stays as it was.
+        copies: dict[tuple[int, Path, int], _Copy] | None = None if self._fake else {}
         for index, rec in enumerate(recs):
             got = None if ticket.error is not None or results is None else results[index]
             if rec.state is not PageState.LOADING:
@@ -1841,7 +1871,10 @@ class TierManager:
             elif exclusive and self._fake:
                 self._clear_tier(rec, NVME)
             if rec.waiters:
-                self._fire_waiters(rec, ok=True)
+                self._fire_waiters(rec, ok=True, batch=copies)
+        if copies:
+            for copy in copies.values():
+                self._copy_to_destination(copy.handle, copy.path, copy.items, copy.wait_event)
         self._warm_in_flight = max(0, self._warm_in_flight - len(recs))
 
     def _load_done(
@@ -2118,6 +2151,18 @@ def _freeable(rec: PageRec) -> bool:
 def _copyable(rec: PageRec) -> bool:
     """A page whose bytes may be copied to a lower tier now (cleaning, not evicting)."""
     return not rec.pins and not rec.waiters and rec.state is _READY
+
+
+class _Copy(NamedTuple):
+    """Copies to one load's destinations from one source path, submitted together."""
+
+    handle: LoadHandle
+    path: Path
+    items: list[tuple[int, Any, Any]]
+    wait_event: Any
+
+
+_READ_CHUNK_PAGES = 8  # pages per NVMe read of a fetch (copies out start per chunk)
 
 
 class _Waiter(NamedTuple):
