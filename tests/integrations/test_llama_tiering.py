@@ -25,6 +25,9 @@ import pytest
 pytest.importorskip("transformers", reason="needs transformers (make integ env)")
 torch = pytest.importorskip("torch")
 
+# The logits check of the TensorIO round trip (same files: reference.pt, restored.pt).
+from test_llama_roundtrip import assert_bit_identical  # noqa: E402
+
 SCRIPT = Path(__file__).with_name("llama_tiering.py")
 REPO = Path(__file__).resolve().parents[2]
 ENV = {
@@ -55,14 +58,7 @@ def assert_restored_from_nvme_bit_identical(workdir: Path) -> None:
     assert seen["hit_pages"] == seen["load_pages"] == seen["loaded"] == PAGES, seen
     assert seen["pages_by_tier"] == [0, 0, PAGES], seen
     assert seen["ready_or_pending"], seen
-    reference = torch.load(workdir / "reference.pt")["logits"]
-    restored = torch.load(workdir / "restored.pt")
-    assert reference.shape == restored["logits"].shape
-    assert not reference.isnan().any()
-    # Bit for bit: compare the raw bf16 words, not values within a tolerance.
-    assert torch.equal(reference.view(torch.int16), restored["logits"].view(torch.int16))
-    # The restored cache is what made them equal: without it the logits differ.
-    assert not torch.equal(reference, restored["no_cache_logits"])
+    assert_bit_identical(workdir)
 
 
 def test_tiered_restore_in_a_fresh_process_gives_bit_identical_logits(tmp_path: Path) -> None:
