@@ -179,21 +179,20 @@ class TierManager:
             self._capacity[HBM] = config.hbm_bytes
         self._used = [0, 0, 0]  # bytes (slots x slot size for HBM/DRAM)
         self._leaving = [0, 0, 0]  # of which: demotions out of the tier in flight
-        self._clean_dram = 0  # DRAM pages that also have their NVMe copy (free at once)
         # The share of DRAM kept clean: 1 - watermark_low, more while allocations find
         # no clean page (write-heavy traffic), decaying back when they stop.
         self._dram_reserve = 1.0 - config.watermark_low
         self._reserve_at = 0.0
-        # The same pages, least recently used first: an allocation under pressure takes these
-        # (leaving DRAM makes no hole in a prefix while the NVMe copy stays).
-        self._clean_fifo: EvictionOrder = make_order(
+        # DRAM pages that also have their NVMe copy (free at once), ranked like DRAM's
+        # order: an allocation under pressure takes the lowest (leaving DRAM makes no
+        # hole in a prefix while the NVMe copy stays).
+        self._clean_dram: EvictionOrder = make_order(
             config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
         )
         # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
         self._clean_hbm: EvictionOrder = make_order(
             config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
         )
-        self._clean_hbm_count = 0
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
         self._count = [0, 0, 0]
@@ -734,7 +733,7 @@ class TierManager:
             # Batch eviction only where a slot cannot be freed at once: a tier with
             # clean pages (a copy below) frees one the moment it is wanted, and NVMe
             # frees on allocation (a delete). See docs/tiering.md, "Eviction".
-            for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_fifo)):
+            for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_dram)):
                 if (tier == HBM and not self._owned_hbm) or len(clean_list):
                     continue
                 if usage[tier] >= self.config.watermark_warn:
@@ -978,7 +977,7 @@ class TierManager:
                 if tiers & BIT[tier]:
                     orders[tier].touch(rec)
             if tiers & 6 == 6:
-                self._clean_fifo.touch(rec)
+                self._clean_dram.touch(rec)
             if tiers & 3 == 3 and self._owned_hbm:
                 self._clean_hbm.touch(rec)
 
@@ -999,23 +998,19 @@ class TierManager:
         if self._owned_hbm and (tiers & 3 == 3) != rec.hbm_clean:
             if not rec.hbm_clean:
                 rec.hbm_clean = True
-                self._clean_hbm_count += 1
                 self._clean_hbm.add(rec)
                 self._orders[HBM].remove(rec)
             else:
                 rec.hbm_clean = False
-                self._clean_hbm_count -= 1
                 self._clean_hbm.remove(rec)
                 self._enter_order(rec, HBM)
         clean = tiers & 6 == 6
         if clean != clean_before:
             if clean:
-                self._clean_dram += 1
-                self._clean_fifo.add(rec)
+                self._clean_dram.add(rec)
                 self._orders[DRAM].remove(rec)
             else:
-                self._clean_dram -= 1
-                self._clean_fifo.remove(rec)
+                self._clean_dram.remove(rec)
                 self._enter_order(rec, DRAM)
         # _held, inlined (this runs at every tier change)
         held = tiers & ~rec.leaving
@@ -1245,7 +1240,7 @@ class TierManager:
         # Two pages per allocation that finds the tier full: a bigger batch leaves
         # slots empty that an exclusive chain would fill (measured by `kvstore sim`).
         batch = 2
-        clean_list = self._clean_hbm if tier == HBM else self._clean_fifo
+        clean_list = self._clean_hbm if tier == HBM else self._clean_dram
         if len(clean_list):
             # Pages with a copy below go at once (lowest rank first, as any victim);
             # a demotion would free nothing now.
@@ -1419,7 +1414,7 @@ class TierManager:
         up to a reserve of (1 - low) of HBM, so an HBM allocation frees a slot at once."""
         cap = self._capacity[HBM]
         reserve = (1.0 - self.config.watermark_low) * cap
-        want = int((reserve - self._clean_hbm_count * self._slot_bytes) // self._slot_bytes)
+        want = int((reserve - len(self._clean_hbm) * self._slot_bytes) // self._slot_bytes)
         if want <= 0:
             return
         want = min(want, _BATCH)
@@ -1445,7 +1440,7 @@ class TierManager:
         back, without evicting, the lowest-ranked dirty pages NVMe admits."""
         cap = self._capacity[DRAM]
         reserve = self._dram_reserve * cap
-        want = int((reserve - self._clean_dram * self._slot_bytes) // self._slot_bytes)
+        want = int((reserve - len(self._clean_dram) * self._slot_bytes) // self._slot_bytes)
         if want <= 0 or not self._nvme_enabled or self._emergency or self._write_paced():
             return
         want = min(want, _BATCH)

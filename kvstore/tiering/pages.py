@@ -69,7 +69,6 @@ class PageRec:
         "dram_slot",
         "hbm_clean",
         "hbm_slot",
-        "heap_version",
         "hits",
         "key",
         "last_access_s",
@@ -116,7 +115,6 @@ class PageRec:
         self.reused = False
         self.deadline_s: float | None = None
         self.tag = ""
-        self.heap_version = 0
         self.waiters: list[object] | None = None
         self.admit_epoch = -1  # the manager's admission epoch admit_nvme was decided in
         self.admit_nvme = False
