@@ -63,7 +63,8 @@ EXIT_OPERATIONAL = 8
 
 F = TypeVar("F", bound=Callable[..., Any])
 console = Console()
-err_console = Console(stderr=True)
+# Errors are not wrapped: a path or key in a message stays on one line, to copy.
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def error_json(error: BaseException, exit_code: int) -> dict[str, object]:

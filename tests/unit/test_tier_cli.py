@@ -90,6 +90,8 @@ def test_tier_stat_table(stats_dir: Path) -> None:
 
 
 def test_tier_commands_on_a_missing_file_exit_8(tmp_path: Path) -> None:
+    tmp_path = tmp_path / ("a-directory-name-long-enough-that-a-wrapped-line-would-break-it" * 2)
+    tmp_path.mkdir()
     for args in (["stat"], ["stat", "--json"], ["metrics"]):
         result = run("tier", args[0], str(tmp_path), *args[1:])
         assert result.exit_code == 8, result.output
