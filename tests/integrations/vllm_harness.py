@@ -32,7 +32,9 @@ and ``einops``.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import uuid
 import zlib
@@ -99,6 +101,7 @@ def tiny_model_dir(num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 
     key = hash((num_layers, num_kv_heads, head_size))
     if key not in _MODEL_DIRS:
         directory = Path(tempfile.mkdtemp(prefix="kvstore_vllm_tiny_"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
         num_heads = 2 * num_kv_heads
         LlamaConfig(
             vocab_size=VOCAB_SIZE,
