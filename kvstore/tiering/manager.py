@@ -1936,7 +1936,8 @@ class TierManager:
         self._reuse.load_json(parsed.reuse)
         self._tau.load_json(parsed.tau)
         for name, (rate, latency_s) in parsed.bandwidth.items():
-            if name in self._bandwidth:
+            # A path the configuration sets is the operator's number, not a seed.
+            if name in self._bandwidth and name not in self.config.bandwidth_bytes_per_s:
                 self._bandwidth[name].rate = rate
                 self._bandwidth[name].latency_s = latency_s
         self._compute.flops_per_s = parsed.compute_flops

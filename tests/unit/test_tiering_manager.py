@@ -280,6 +280,18 @@ def test_closed_manager_refuses_calls() -> None:
         tm.lookup([b"a"])
 
 
+def test_a_configured_bandwidth_wins_over_the_saved_statistics(tmp_path: Path) -> None:
+    # The statistics file restores measured bandwidths, but a path the operator sets
+    # in the configuration (a known slow disk) is not overwritten by a saved number.
+    with TierManager.open(config(tmp_path, bandwidth_bytes_per_s={"nvme_read": 5e9})):
+        pass  # close saves the statistics, nvme_read = 5e9 among them
+    slow = {"nvme_read": 1e6}
+    with TierManager.open(config(tmp_path, bandwidth_bytes_per_s=slow)) as tm:
+        rates = tm.stats().bandwidth_bytes_per_s
+        assert rates["nvme_read"] == 1e6
+        assert rates["nvme_write"] != 1e6  # the others are restored as before
+
+
 def test_fsck_accepts_the_tier_managers_statistics_file(tmp_path: Path) -> None:
     from kvstore import KVStore
 
