@@ -73,7 +73,13 @@ from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found]
 from kvstore.errors import ClosedError, CorruptionError, IOFailure, KVStoreError
 from kvstore.store import KVStore
 
-__all__ = ["SUPPORTED_VLLM", "KVStoreTier", "namespace_fields"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "KVStoreOffloadingManager",
+    "KVStoreOffloadingSpec",
+    "KVStoreTier",
+    "namespace_fields",
+]
 
 #: The vLLM releases this tier is tested against: CI runs 0.33.0; 0.31.0 and
 #: 0.32.0 passed the same tests. The SecondaryTierManager API is marked
@@ -763,3 +769,12 @@ class _JobTracker:
             self.keys.extend(keys)
             self._remaining -= 1
             return self._remaining == 0
+
+
+# The offloading spec on the tier manager lives beside this tier; vLLM loads it from
+# this module (spec_module_path "kvstore.integrations.vllm"). Imported last: it uses
+# namespace_fields above.
+from kvstore.integrations.vllm_spec import (  # noqa: E402
+    KVStoreOffloadingManager,
+    KVStoreOffloadingSpec,
+)

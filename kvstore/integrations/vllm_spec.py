@@ -1,0 +1,530 @@
+"""A vLLM offloading spec on kvstore's tier manager: kvstore owns the CPU and NVMe tiers.
+
+Loaded out of tree (vLLM 0.33, no patch)::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KVStoreOffloadingSpec",
+        "spec_module_path": "kvstore.integrations.vllm",
+        "cpu_bytes_to_use": 1073741824, "path": "/nvme/kv",
+        "dram_bytes": 68719476736, "model": "llama-3.1-8b"}}'
+
+Where vLLM's own tiering spec keeps an LRU CPU tier and cascades every chunk to
+every lower tier, here one ``TierManager`` decides: admission by value density,
+Φ eviction, write-back to NVMe, and, at each lookup, whether loading the hit is
+faster than recomputing it. ``lookup`` answers vLLM per chunk from the manager's
+plan for the whole prefix:
+
+- ``HIT``: the plan loads the chunk and it is in DRAM, pinned until the load ends;
+- ``HIT_PENDING``: the plan loads it but it is on NVMe: the read into DRAM has
+  started, the request waits (``has_pending_work``) and vLLM asks again;
+- ``MISS``: not resident, or past the plan's ``load_pages`` (recomputing it is
+  faster: a slow disk, a short prompt). vLLM recomputes it.
+
+Data path: vLLM's worker copies GPU blocks to and from *staging* chunks
+(``cpu_bytes_to_use``: the chunks in flight, not the cache); the manager moves
+them between staging and its DRAM arena (``offer`` on ``complete_store``,
+``prepare_load`` on ``prepare_load``). Jobs map to pins: a chunk answered HIT is
+pinned from the lookup until ``complete_load`` (or the end of the step, if vLLM
+did not schedule the request), so neither eviction nor the control thread can
+take it while vLLM counts on it.
+
+Known costs and limits (docs/integrations.md):
+- one extra host copy per stored and loaded chunk (staging <-> arena); the
+  arena over vLLM's shared region itself is the planned zero-copy step;
+- ``prepare_load`` waits for the DRAM -> staging copy on the scheduler thread
+  (a host memcpy of DRAM-resident chunks only: NVMe reads never run there);
+- on CUDA the worker is vLLM's own ``CPUOffloadingWorker`` over its shared
+  region, mapped here from the scheduler side; that path has not run on a GPU
+  yet (the tests run on CPU with ``KVStoreCPUWorker``).
+
+Extra config keys (besides vLLM's own ``cpu_bytes_to_use``, ``block_size``):
+
+- ``path`` (required): the NVMe store directory (created if missing);
+- ``dram_bytes`` (4 x ``cpu_bytes_to_use``): the tier manager's DRAM arena;
+- ``nvme_bytes`` (None: unbounded, or the store's ``capacity_bytes``);
+- ``model``: a ``MODEL_PRESETS`` name or a dict of ``ModelCost`` fields
+  (``n_params``, ``layers``, ``q_heads``, ``head_dim``; ``kv_bytes_per_token``
+  defaults to vLLM's own number); default: estimated from vLLM's model config;
+- ``store_options`` ({}): ``KVStore.open`` options (the manager's ``nvme_options``);
+- ``tier_options`` ({}): other ``TierConfig`` fields (``placement``,
+  ``admission``, ``compute_flops``, ``bandwidth_bytes_per_s``, ...);
+- ``load_timeout_s`` (10.0): the longest ``prepare_load`` waits for its copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-not-found]
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found]
+
+from kvstore.integrations.vllm_worker import KVStoreCPUWorker, StagingRegion
+from kvstore.tiering import LookupState, RequestContext, TierConfig, TierManager
+from kvstore.tiering.config import MODEL_PRESETS, ModelCost
+from kvstore.tiering.results import LoadPlan, ReleaseHandle
+
+__all__ = ["KVStoreOffloadingManager", "KVStoreOffloadingSpec"]
+
+_KEY_PREFIX = b"vllm-tier/"
+_GROUP_BYTES = 4  # an OffloadKey ends with its KV-cache group index, big-endian
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _RequestState:
+    """Per request, in ``ReqContext`` state: the step's plan and what it holds."""
+
+    plan_step: int = -1
+    result: Any = None  # the tier manager's LookupResult for ``keys``
+    index: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)
+    pinned: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
+    loading: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
+    storing: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
+
+
+class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """vLLM's scheduler-side ``OffloadingManager`` answered by a ``TierManager``.
+
+    Thread model: vLLM enters every method but ``shutdown`` holding ``lock``
+    (one scheduler step is one region); the tier manager's own threads never touch
+    this object's state, only the manager's (which has its own lock).
+    """
+
+    def __init__(
+        self,
+        tm: TierManager,
+        staging: Any,
+        *,
+        prefix: bytes,
+        tokens_per_chunk: int,
+        load_timeout_s: float = 10.0,
+    ) -> None:
+        self.tm = tm
+        self._staging = staging
+        self._prefix = prefix
+        self._epoch = 0
+        self._tokens_per_chunk = tokens_per_chunk
+        self._load_timeout_s = load_timeout_s
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(staging.num_chunks - 1, -1, -1))
+        self._releasing: list[tuple[ReleaseHandle, list[int]]] = []
+        self._step = 0
+        self._held: dict[str, _RequestState] = {}  # requests holding pins or chunks
+        self._pending: set[str] = set()  # requests waiting for an NVMe -> DRAM read
+        self._closed = False
+
+    # -- keys ------------------------------------------------------------
+
+    def page_key(self, key: OffloadKey) -> bytes:
+        """The tier manager's key of a vLLM chunk key, in this namespace and epoch."""
+        return self._prefix + b"%d/" % self._epoch + bytes(key)
+
+    def _state(self, ctx: ReqContext) -> _RequestState:
+        state: _RequestState | None = ctx.get_state(_RequestState)
+        if state is None:
+            state = _RequestState()
+            ctx.set_state(state)
+        return state
+
+    @staticmethod
+    def _request_keys(key: OffloadKey, ctx: ReqContext) -> tuple[list[OffloadKey], int]:
+        """The request's chunk keys of ``key``'s KV group from ``key`` on, in prompt
+        order, and the token position where the last one ends.
+
+        vLLM records every chunk key's end position in the request context before it
+        looks any up (``ReqContext.set_offload_key_position``); the manager needs the
+        whole run at once to weigh loading it against recomputing it.
+        """
+        positions: Mapping[OffloadKey, int] = getattr(ctx, "_offload_key_positions", {})
+        start = positions.get(key)
+        if start is None:
+            return [key], 0
+        group = bytes(key)[-_GROUP_BYTES:]
+        run = sorted((end, k) for k, end in positions.items() if bytes(k)[-_GROUP_BYTES:] == group)
+        keys = [k for end, k in run if end >= start]
+        return keys, run[-1][0]
+
+    def _parent_key(self, key: OffloadKey, ctx: ReqContext) -> bytes | None:
+        """The page key of the chunk before ``key`` in its request, same group."""
+        positions: Mapping[OffloadKey, int] = getattr(ctx, "_offload_key_positions", {})
+        end = positions.get(key)
+        if end is None or end <= self._tokens_per_chunk:
+            return None
+        group = bytes(key)[-_GROUP_BYTES:]
+        wanted = end - self._tokens_per_chunk
+        for other, other_end in positions.items():
+            if other_end == wanted and bytes(other)[-_GROUP_BYTES:] == group:
+                return self.page_key(other)
+        return None
+
+    # -- staging chunks ----------------------------------------------------
+
+    def _reclaim(self) -> None:
+        """Free the staging chunks whose copy into the arena has finished."""
+        if not self._releasing:
+            return
+        still = []
+        for handle, chunks in self._releasing:
+            if handle.done():
+                self._free.extend(chunks)
+            else:
+                still.append((handle, chunks))
+        self._releasing = still
+
+    def _take_chunk(self) -> int | None:
+        if not self._free:
+            self._reclaim()
+        return self._free.pop() if self._free else None
+
+    def _release_held(self, req_id: str, state: _RequestState) -> None:
+        """Drop the pins and chunks of lookups vLLM did not turn into a load."""
+        if state.pinned:
+            self.tm.unpin([self.page_key(k) for k in state.pinned])
+            self._free.extend(state.pinned.values())
+            state.pinned.clear()
+        if not state.loading and not state.storing:
+            self._held.pop(req_id, None)
+
+    # -- OffloadingManager -----------------------------------------------
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        state = self._state(req_context)
+        if state.plan_step != self._step or key not in state.index:
+            self._plan(key, req_context, state)
+        result = state.result
+        index = state.index[key]
+        if index >= result.plan.load_pages:
+            return LookupResult.MISS
+        if result.state is LookupState.PENDING:
+            return LookupResult.HIT_PENDING
+        if key in state.pinned:
+            return LookupResult.HIT
+        # A HIT must still be there at prepare_load: pin it, and hold a staging chunk.
+        chunk = self._take_chunk()
+        if chunk is None:
+            return LookupResult.MISS  # no staging chunk free this step: recompute it
+        if not self.tm.pin([self.page_key(key)])[0]:
+            self._free.append(chunk)
+            return LookupResult.MISS
+        state.pinned[key] = chunk
+        self._held[req_context.req_id] = state
+        return LookupResult.HIT
+
+    def _plan(self, key: OffloadKey, ctx: ReqContext, state: _RequestState) -> None:
+        keys, end_tokens = self._request_keys(key, ctx)
+        start_tokens = max(end_tokens - len(keys) * self._tokens_per_chunk, 0)
+        tokens = max(end_tokens - start_tokens, self._tokens_per_chunk)
+        state.result = self.tm.lookup(
+            [self.page_key(k) for k in keys],
+            RequestContext(request_id=ctx.req_id, tokens=tokens),
+            tokens=tokens,
+        )
+        state.index = {k: i for i, k in enumerate(keys)}
+        state.plan_step = self._step
+        if state.result.state is LookupState.PENDING:
+            self._pending.add(ctx.req_id)
+        else:
+            self._pending.discard(ctx.req_id)
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> CPULoadStoreSpec:
+        """Copy the chunks vLLM was told HIT from DRAM into their staging chunks."""
+        state = self._state(req_context)
+        keys = list(keys)
+        missing = [k for k in keys if k not in state.pinned]
+        if missing:
+            raise RuntimeError(
+                f"prepare_load for {len(missing)} chunks that lookup did not answer HIT in "
+                f"this step (request {req_context.req_id!r})"
+            )
+        chunks = [state.pinned.pop(k) for k in keys]
+        state.loading.update(zip(keys, chunks, strict=True))
+        page_keys = tuple(self.page_key(k) for k in keys)
+        plan = LoadPlan(page_keys, (1,) * len(keys), len(keys), state.result.plan.cost, "vllm")
+        handle = self.tm.prepare_load(plan, [self._staging.chunk(c) for c in chunks])
+        finished = handle.wait(self._load_timeout_s)
+        loaded = self.tm.complete_load(handle) if finished else 0
+        if loaded != len(keys):
+            # Never hand vLLM a chunk whose bytes did not arrive: fail the step loudly.
+            raise RuntimeError(
+                f"kvstore could not copy {len(keys) - loaded} of {len(keys)} pinned chunks "
+                f"out of DRAM for request {req_context.req_id!r}"
+                + ("" if finished else f" within {self._load_timeout_s} s")
+            )
+        return CPULoadStoreSpec(chunks)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: the tier manager's lookup already renewed the chunks it found."""
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        state = self._state(req_context)
+        done = [k for k in keys if k in state.loading]
+        if done:
+            self.tm.unpin([self.page_key(k) for k in done])
+            self._free.extend(state.loading.pop(k) for k in done)
+        if not state.pinned and not state.loading and not state.storing:
+            self._held.pop(req_context.req_id, None)
+
+    def prepare_store(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Staging chunks for vLLM to copy the blocks into; admission comes at
+        ``complete_store``, once the bytes are there. None: no chunk free now."""
+        state = self._state(req_context)
+        wanted = [k for k in keys if k not in state.storing]
+        stored: list[OffloadKey] = []
+        chunks: list[int] = []
+        for key in wanted:
+            chunk = self._take_chunk()
+            if chunk is None:
+                break
+            stored.append(key)
+            chunks.append(chunk)
+        if wanted and not stored:
+            return None
+        state.storing.update(zip(stored, chunks, strict=True))
+        if stored:
+            self._held[req_context.req_id] = state
+        return PrepareStoreOutput(
+            keys_to_store=stored, store_spec=CPULoadStoreSpec(chunks), evicted_keys=[]
+        )
+
+    def complete_store(
+        self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Offer the staged chunks to the tier manager (admission, DRAM, write-back)."""
+        state = self._state(req_context)
+        done = [k for k in keys if k in state.storing]
+        chunks = [state.storing.pop(k) for k in done]
+        if not done:
+            return
+        if not success:
+            self._free.extend(chunks)
+            return
+        # Parents before children (prefix closure declines an orphan): vLLM's order
+        # of the keys is not the prompt's.
+        positions: Mapping[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        order = sorted(range(len(done)), key=lambda i: positions.get(done[i], 0))
+        done = [done[i] for i in order]
+        chunks = [chunks[i] for i in order]
+        result = self.tm.offer(
+            [self.page_key(k) for k in done],
+            [self._staging.chunk(c) for c in chunks],
+            RequestContext(request_id=req_context.req_id),
+            parents=[self._parent_key(k, req_context) for k in done],
+        )
+        self._releasing.append((result.hbm_release, chunks))
+        if not state.pinned and not state.loading and not state.storing:
+            self._held.pop(req_context.req_id, None)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._state(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestState)
+        self._pending.discard(req_context.req_id)
+        if state is not None:
+            self._release_held(req_context.req_id, state)
+        self.tm.finish_request(RequestContext(request_id=req_context.req_id))
+
+    def on_schedule_end(self, ctx: Any = None) -> None:
+        """The step is over: HITs vLLM did not load give their pins and chunks back."""
+        for req_id, state in list(self._held.items()):
+            self._release_held(req_id, state)
+        self._step += 1
+        self._reclaim()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._pending)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def reset_cache(self) -> None:
+        """Forget every cached chunk (new weights): later keys live in a new epoch;
+        the old pages are never looked up again and age out of every tier."""
+        self._epoch += 1
+        _log.info("kvstore offloading: cache reset, now epoch %d", self._epoch)
+
+    def get_stats(self) -> Any:
+        return None
+
+    def config_info(self) -> Sequence[Mapping[str, Any]]:
+        return ()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req_id, state in list(self._held.items()):
+            self._release_held(req_id, state)
+        self.tm.close()
+        self._staging.close()
+
+
+class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+    """``spec_name: "KVStoreOffloadingSpec"``: the tier manager as vLLM's offload tiers.
+
+    vLLM's ``CPUOffloadingSpec`` sizes the staging chunks (``cpu_bytes_to_use``,
+    4 KiB-aligned ``kv_bytes_per_chunk``); this spec adds the tier manager above them.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        path = extra.get("path")
+        if not path:
+            raise ValueError(
+                "KVStoreOffloadingSpec needs kv_connector_extra_config['path'], the NVMe "
+                "store directory"
+            )
+        self.path = str(path)
+        group = config.groups[0]
+        self.tokens_per_chunk = int(group.tokens_per_block) * int(self.blocks_per_chunk)
+        # Imported here: kvstore.integrations.vllm re-exports this module's classes.
+        from kvstore.integrations.vllm import _namespace, namespace_fields
+
+        self.fields = namespace_fields(self, self.kv_bytes_per_chunk)
+        self.namespace = _namespace(self.fields)
+        self._kvstore_manager: KVStoreOffloadingManager | None = None
+        self._kvstore_worker: Any = None
+
+    def tier_config(self) -> TierConfig:
+        """The tier manager's configuration from the extra config."""
+        extra = self.extra_config
+        staging = max(int(self.num_chunks), 1) * self.kv_bytes_per_chunk
+        options: dict[str, Any] = dict(extra.get("tier_options") or {})
+        return TierConfig(
+            device="cpu",
+            hbm="owned",
+            hbm_bytes=0,
+            dram_bytes=int(extra.get("dram_bytes", 4 * staging)),
+            page_bytes=self.kv_bytes_per_chunk,
+            tokens_per_page=self.tokens_per_chunk,
+            nvme_path=self.path,
+            nvme_options=dict(extra.get("store_options") or {}),
+            nvme_bytes=extra.get("nvme_bytes"),
+            model=self._model_cost(),
+            **options,
+        )
+
+    def _model_cost(self) -> ModelCost:
+        kv_per_token = max(
+            int(self.config.worker_kv_bytes_per_block)
+            * max(int(self.config.parallel.world_size), 1)
+            // max(int(self.config.groups[0].tokens_per_block), 1),
+            1,
+        )
+        model = self.extra_config.get("model")
+        if isinstance(model, str):
+            if model not in MODEL_PRESETS:
+                raise ValueError(f"model {model!r} is not one of {sorted(MODEL_PRESETS)}")
+            return MODEL_PRESETS[model]
+        if isinstance(model, Mapping):
+            fields = {"kv_bytes_per_token": kv_per_token, **model}
+            return ModelCost(**fields)
+        return _estimate_model_cost(kv_per_token)
+
+    def get_manager(self) -> KVStoreOffloadingManager:
+        if self._kvstore_manager is None:
+            staging = self._scheduler_staging()
+            try:
+                tm = TierManager.open(self.tier_config())
+            except BaseException:
+                staging.close()
+                raise
+            self._kvstore_manager = KVStoreOffloadingManager(
+                tm,
+                staging,
+                prefix=_KEY_PREFIX + self.namespace.encode("ascii") + b"/",
+                tokens_per_chunk=self.tokens_per_chunk,
+                load_timeout_s=float(self.extra_config.get("load_timeout_s", 10.0)),
+            )
+        return self._kvstore_manager
+
+    def _scheduler_staging(self) -> Any:
+        if self._uses_shared_region():  # CUDA: vLLM's worker and its shared region
+            return _VllmRegionStaging(self)
+        return StagingRegion(self.config.engine_id, self.num_chunks, self.kv_bytes_per_chunk)
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        if self._kvstore_worker is None:
+            if self._uses_shared_region():
+                self._kvstore_worker = super().get_worker(kv_caches)
+            else:
+                region = StagingRegion(
+                    self.config.engine_id, self.num_chunks, self.kv_bytes_per_chunk
+                )
+                self._kvstore_worker = KVStoreCPUWorker(kv_caches, self.blocks_per_chunk, region)
+        return self._kvstore_worker
+
+
+class _VllmRegionStaging:
+    """vLLM's shared offload region, mapped from the scheduler side (CUDA only)."""
+
+    def __init__(self, spec: KVStoreOffloadingSpec) -> None:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import (  # type: ignore[import-not-found]
+            SharedOffloadRegion,
+        )
+
+        self._region = SharedOffloadRegion(
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=None,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
+        self.num_chunks = int(spec.num_chunks)
+        self.chunk_bytes = int(spec.kv_bytes_per_chunk)
+        self._rows = torch.frombuffer(self._region.create_kv_memoryview(), dtype=torch.uint8)
+
+    def chunk(self, index: int) -> torch.Tensor:
+        start = index * self.chunk_bytes
+        return self._rows[start : start + self.chunk_bytes]
+
+    def close(self) -> None:
+        self._region.cleanup()
+
+
+def _estimate_model_cost(kv_bytes_per_token: int) -> ModelCost:
+    """The prefill cost model from vLLM's model config (the current one, which vLLM
+    sets while it builds the connector); llama-3.1-8b's shape when there is none."""
+    try:
+        from vllm.config import get_current_vllm_config  # type: ignore[import-not-found]
+
+        model_config = get_current_vllm_config().model_config
+        hidden = int(model_config.get_hidden_size())
+        layers = int(model_config.hf_config.num_hidden_layers)
+        heads = int(model_config.hf_config.num_attention_heads)
+        vocab = int(model_config.get_vocab_size())
+        head_dim = int(model_config.get_head_size())
+    except Exception as e:  # no config in this context, or an unusual model
+        _log.warning(
+            "kvstore offloading: no model shape from vLLM (%s); the recompute cost "
+            "assumes llama-3.1-8b. Set kv_connector_extra_config['model']",
+            e,
+        )
+        preset = MODEL_PRESETS["llama-3.1-8b"]
+        return dataclasses.replace(preset, kv_bytes_per_token=kv_bytes_per_token)
+    # Dense transformer: ~12 h^2 per layer (attention + a 4h MLP) and the embeddings.
+    n_params = 12.0 * layers * hidden * hidden + 2.0 * vocab * hidden
+    return ModelCost(n_params, layers, heads, head_dim, kv_bytes_per_token)

@@ -1,0 +1,330 @@
+"""The vLLM offloading spec's scheduler-side manager on the tier manager, against
+vLLM 0.33's ``OffloadingManager`` contract (``vllm.v1.kv_offload.base``).
+
+The staging chunks here are a plain tensor (vLLM's worker would fill them); the
+real scheduler and worker drive the spec in test_vllm_spec_scheduler.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    OffloadingManager,
+    ReqContext,
+)
+
+from kvstore.integrations.vllm import KVStoreOffloadingManager  # noqa: E402
+from kvstore.tiering import ModelCost, TierConfig, TierManager  # noqa: E402
+
+CHUNK = 64 << 10
+TOKENS = 32  # tokens per chunk
+CHUNKS = 6
+
+
+class TensorStaging:
+    """Staging chunks in one tensor: what the worker and the manager share."""
+
+    def __init__(self, num_chunks: int, chunk_bytes: int) -> None:
+        self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
+        self.buffer = torch.zeros(num_chunks * chunk_bytes, dtype=torch.uint8)
+        self.closed = False
+
+    def chunk(self, index: int) -> Any:
+        return self.buffer[index * self.chunk_bytes : (index + 1) * self.chunk_bytes]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def tier_config(path: Path, **overrides: Any) -> TierConfig:
+    return TierConfig(
+        device="cpu",
+        hbm="owned",
+        hbm_bytes=0,
+        dram_bytes=16 * CHUNK,
+        page_bytes=CHUNK,
+        tokens_per_page=TOKENS,
+        nvme_path=str(path),
+        nvme_options={"segment_bytes": 4 << 20, "gc_interval_s": 0},
+        model=ModelCost(8e9, 32, 32, 128, CHUNK // TOKENS),
+        probe_at_open=False,
+        **overrides,
+    )
+
+
+def open_manager(path: Path, staging_chunks: int = 8, **overrides: Any) -> KVStoreOffloadingManager:
+    return KVStoreOffloadingManager(
+        TierManager.open(tier_config(path, **overrides)),
+        TensorStaging(staging_chunks, CHUNK),
+        prefix=b"test/",
+        tokens_per_chunk=TOKENS,
+    )
+
+
+def chunk_keys(name: str, count: int = CHUNKS, group: int = 0) -> list[bytes]:
+    return [f"{name}-{i:03d}".encode() + group.to_bytes(4, "big") for i in range(count)]
+
+
+def request(req_id: str, keys: list[bytes]) -> ReqContext:
+    """A request context as vLLM's scheduler fills it: every chunk key's end token."""
+    ctx = ReqContext(req_id=req_id)
+    for index, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (index + 1) * TOKENS)
+    return ctx
+
+
+def store(
+    manager: KVStoreOffloadingManager, keys: list[bytes], req_id: str = "writer"
+) -> dict[bytes, Any]:
+    """What vLLM does for a computed prompt: prepare_store, the worker's copy into
+    the staging chunks, complete_store. Returns the bytes written per key."""
+    ctx = request(req_id, keys)
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and out.keys_to_store == keys
+    written = {}
+    generator = torch.Generator().manual_seed(len(written) + len(keys))
+    for key, chunk in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        data = torch.randint(0, 256, (CHUNK,), dtype=torch.uint8, generator=generator)
+        manager._staging.chunk(int(chunk)).copy_(data)
+        written[key] = data
+    manager.complete_store(keys, ctx)
+    manager.on_request_finished(ctx)
+    manager.on_schedule_end()
+    assert manager.tm.drain()
+    return written
+
+
+def assert_loads(
+    manager: KVStoreOffloadingManager, ctx: ReqContext, keys: list[bytes], written: dict
+) -> None:
+    spec = manager.prepare_load(keys, ctx)
+    for key, chunk in zip(keys, spec.block_ids, strict=True):
+        assert torch.equal(manager._staging.chunk(int(chunk)), written[key]), key
+    manager.complete_load(keys, ctx)
+
+
+def test_it_is_a_vllm_offloading_manager_with_a_real_lock(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        assert isinstance(manager, OffloadingManager)
+        with manager.lock:  # the scheduler holds it for a whole step; not reentrant
+            assert not manager.lock.acquire(blocking=False)
+    finally:
+        manager.shutdown()
+
+
+def test_vllm_records_the_key_positions_the_manager_reads() -> None:
+    # The manager weighs a request's whole run at its first lookup, from the end
+    # positions vLLM's scheduler records in the context. A vLLM that stops keeping
+    # them would silently turn every plan into a one-chunk plan: fail here instead.
+    ctx = ReqContext(req_id="r")
+    ctx.set_offload_key_position(b"k", 64)
+    assert ctx._offload_key_positions == {b"k": 64}
+
+
+def test_a_stored_prompt_hits_and_loads_identical_bytes(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        written = store(manager, keys)
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * CHUNKS
+        assert_loads(manager, ctx, keys, written)
+        manager.on_schedule_end()
+        assert len(manager._free) == 8  # every staging chunk came back
+    finally:
+        manager.shutdown()
+
+
+def test_a_fresh_manager_reads_nvme_pages_pending_then_hits(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path, placement="write_through")
+    keys = chunk_keys("p")
+    written = store(manager, keys)
+    manager.shutdown()
+
+    fresh = open_manager(tmp_path, warm_dram_on_open=False)  # no race with the warm-up
+    try:
+        assert fresh.tm.stats().pages_by_tier == (0, 0, CHUNKS)  # on NVMe only
+        ctx = request("reader", keys)
+        fresh.on_new_request(ctx)
+        answers = [fresh.lookup(k, ctx) for k in keys]
+        assert answers == [LookupResult.HIT_PENDING] * CHUNKS  # the read into DRAM runs
+        assert fresh.has_pending_work()  # so the engine keeps stepping
+        fresh.on_schedule_end()
+        assert fresh.tm.drain()
+        fresh.tm.step()
+        assert [fresh.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * CHUNKS
+        assert not fresh.has_pending_work()
+        assert_loads(fresh, ctx, keys, written)
+    finally:
+        fresh.shutdown()
+
+
+def test_a_slow_disk_answers_miss_where_recomputing_is_faster(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path, placement="write_through")
+    keys = chunk_keys("p")
+    store(manager, keys)
+    manager.shutdown()
+
+    # 1 MB/s from NVMe: a 64 KiB chunk takes 65 ms to read, far more than its
+    # 32 tokens of prefill at 1 PFLOP/s.
+    slow = open_manager(
+        tmp_path,
+        warm_dram_on_open=False,
+        bandwidth_bytes_per_s={"nvme_read": 1e6},
+        compute_flops=1e15,
+    )
+    try:
+        ctx = request("reader", keys)
+        slow.on_new_request(ctx)
+        assert [slow.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * CHUNKS
+        assert not slow.has_pending_work()  # no read was started for it
+        stats = slow.tm.stats()
+        assert stats.recompute_decisions.get("faster") == 1
+        assert stats.in_flight_bytes.get("nvme_read", 0) == 0
+    finally:
+        slow.shutdown()
+
+
+def test_hits_not_loaded_give_their_pins_and_chunks_back_at_the_step_end(
+    tmp_path: Path,
+) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys)
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * CHUNKS
+        assert len(manager._free) == 8 - CHUNKS  # a staging chunk held per HIT
+        assert all(manager.tm.pin([manager.page_key(k)]) for k in keys)
+        manager.tm.unpin([manager.page_key(k) for k in keys])  # the probe's own pins
+        manager.on_schedule_end()  # vLLM did not schedule the request this step
+        assert len(manager._free) == 8
+        with pytest.raises(ValueError, match="not pinned"):
+            manager.tm.unpin([manager.page_key(keys[0])])
+    finally:
+        manager.shutdown()
+
+
+def test_prepare_load_refuses_chunks_lookup_did_not_answer_hit(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        with pytest.raises(RuntimeError, match="did not answer HIT"):
+            manager.prepare_load(keys[:1], ctx)
+    finally:
+        manager.shutdown()
+
+
+def test_no_free_staging_chunk_stores_a_prefix_or_nothing(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path, staging_chunks=4)
+    try:
+        keys = chunk_keys("p")
+        ctx = request("writer", keys)
+        manager.on_new_request(ctx)
+        first = manager.prepare_store(keys, ctx)
+        assert first is not None and first.keys_to_store == keys[:4]
+        assert manager.prepare_store(keys[4:], ctx) is None  # vLLM: cannot store now
+        manager.complete_store(keys[:4], ctx, success=False)  # the copy failed
+        assert len(manager._free) == 4
+        assert [manager.lookup(k, ctx) for k in keys[:1]] == [LookupResult.MISS]
+    finally:
+        manager.shutdown()
+
+
+def test_a_lookup_without_a_free_staging_chunk_is_a_miss(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path, staging_chunks=CHUNKS)
+    try:
+        keys = chunk_keys("p")
+        written = store(manager, keys)
+        holder = request("holder", keys)
+        manager.on_new_request(holder)
+        manager.lookup(keys[0], holder)  # holds one staging chunk this step
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        answers = [manager.lookup(k, ctx) for k in keys]
+        assert answers == [LookupResult.HIT] * (CHUNKS - 1) + [LookupResult.MISS]
+        assert_loads(manager, ctx, keys[: CHUNKS - 1], written)
+    finally:
+        manager.shutdown()
+
+
+def test_stored_chunks_chain_to_their_parents(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys)
+        for depth, key in enumerate(keys):  # each chunk's parent is the one before it
+            assert f"depth {depth}," in manager.tm.explain(manager.page_key(key))
+        # An orphan (its parent never stored) is declined by prefix closure.
+        orphan = chunk_keys("q")
+        ctx = request("w2", orphan)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(orphan[1:2], ctx)
+        assert out is not None
+        manager.complete_store(orphan[1:2], ctx)
+        assert manager.tm.drain()
+        probe = request("r2", orphan)
+        manager.on_new_request(probe)
+        assert manager.lookup(orphan[1], probe) is LookupResult.MISS
+    finally:
+        manager.shutdown()
+
+
+def test_chunks_completed_out_of_prompt_order_are_all_kept(tmp_path: Path) -> None:
+    # vLLM hands complete_store its keys in its own order (seen: tail first); offered
+    # in that order, each chunk would come before its parent and be declined.
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        ctx = request("writer", keys)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        manager.complete_store(list(reversed(keys)), ctx)
+        assert manager.tm.drain()
+        assert manager.tm.stats().pages_by_tier[1] == CHUNKS
+        assert "orphan" not in manager.tm.stats().admissions
+    finally:
+        manager.shutdown()
+
+
+def test_reset_cache_forgets_every_chunk(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys)
+        manager.reset_cache()
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    finally:
+        manager.shutdown()
+
+
+def test_shutdown_closes_the_tier_manager_and_the_staging(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    keys = chunk_keys("p")
+    store(manager, keys)
+    ctx = request("reader", keys)
+    manager.on_new_request(ctx)
+    manager.lookup(keys[0], ctx)  # a pin still held
+    manager.shutdown()
+    manager.shutdown()  # idempotent
+    assert manager._staging.closed
+    with pytest.raises(Exception, match="closed"):
+        manager.tm.lookup([b"x"])
