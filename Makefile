@@ -21,13 +21,13 @@ $(BIN)/.installed: pyproject.toml tools/check_toolchain.sh
 	PYTHON=$(PYTHON) tools/check_toolchain.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-compile -e .
 	$(BIN)/python -m kvstore.io.probe || true
 	touch $@
 
 $(BIN)/.dev-installed: $(BIN)/.installed pyproject.toml
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile $(TORCH)
 	touch $@
 
 # The other supported binding, the liburing 2026 Zig wheel, kept out of the venv's
@@ -35,7 +35,7 @@ $(BIN)/.dev-installed: $(BIN)/.installed pyproject.toml
 # on PYTHONPATH and forces it with KVSTORE_URING_BINDING.
 BINDING_2026 := $(VENV)/bindings/liburing-2026
 $(BINDING_2026)/.installed: $(BIN)/.installed
-	$(BIN)/pip install -q --no-deps --target $(BINDING_2026) liburing==2026.3.30
+	$(BIN)/pip install -q --no-compile --no-deps --target $(BINDING_2026) liburing==2026.3.30
 	touch $@
 
 run: $(BIN)/.installed
@@ -48,8 +48,13 @@ lint: $(BIN)/.dev-installed
 typecheck: $(BIN)/.dev-installed
 	$(BIN)/mypy
 
+# Two pytest workers (pytest-xdist): the suites are crash loops and subprocesses
+# that leave a core idle half the time. PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+
 unit: $(BIN)/.dev-installed
-	$(BIN)/pytest -q -x --timeout=600
+	$(BIN)/pytest -q -x --timeout=600 $(XDIST)
 
 # The crash, power-loss, EIO and property suites once more on the fallback engine
 # (`unit` ran them on io_uring, the default where the probe passes).
@@ -61,7 +66,7 @@ ENGINE_SUITES := tests/crash tests/property tests/reliability/test_powerloss.py 
 ENGINE_SKIP := --ignore=tests/crash/test_kill9_tiering.py \
 	--ignore=tests/property/test_tiering_stateful.py
 engines: $(BIN)/.dev-installed
-	KVSTORE_IO_ENGINE=threadpool $(BIN)/pytest -q -x --timeout=600 $(ENGINE_SKIP) $(ENGINE_SUITES)
+	KVSTORE_IO_ENGINE=threadpool $(BIN)/pytest -q -x --timeout=600 $(XDIST) $(ENGINE_SKIP) $(ENGINE_SUITES)
 
 # The engine tests once per supported binding, each forced by KVSTORE_URING_BINDING.
 # Where a binding cannot run (the 2026 wheel on a CPU without AVX-512), its probe
@@ -75,7 +80,7 @@ test-bindings: $(BIN)/.dev-installed $(BINDING_2026)/.installed
 
 integ:
 	PYTHON=$(PYTHON) VENV_INTEG=$(VENV_INTEG) TORCH=$(TORCH) tools/setup_integ_env.sh
-	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 tests/integrations
+	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 $(XDIST) tests/integrations
 
 test: lint typecheck unit engines test-bindings integ
 

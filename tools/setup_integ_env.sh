@@ -33,7 +33,7 @@ fi
 started=$(date +%s)
 rm -f "$STAMP"
 "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile)
 "${PIP[@]}" --upgrade pip
 # shellcheck disable=SC2086  # TORCH may carry pip options (an index URL)
 "${PIP[@]}" $TORCH
