@@ -379,6 +379,9 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._release_held(req_id, state)
         self.tm.close()
         self._staging.close()
+        unlink = getattr(self._staging, "unlink", None)
+        if unlink is not None:  # the scheduler side owns the staging file in /dev/shm
+            unlink()
 
 
 class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]

@@ -81,8 +81,11 @@ def test_a_fresh_engine_loads_what_another_stored_byte_for_byte(tmp_path: Path) 
         assert b.pattern_block_bytes(PROMPT, 0) != expected[0]
         stats = tier_manager(b).stats()
         assert stats.hits_by_tier[2] >= 3 and not stats.recompute_decisions
+        staging = b.manager._staging.path
+        assert staging.exists()
     finally:
-        b.close()
+        b.close(unlink_staging=False)
+    assert not staging.exists()  # the manager's shutdown removed it from /dev/shm
 
 
 def test_on_a_slow_disk_the_fresh_engine_recomputes_instead_of_loading(tmp_path: Path) -> None:
