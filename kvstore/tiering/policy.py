@@ -298,16 +298,24 @@ class PhiOrder:
         self._heap: list[tuple[float, int, PageRec]] = []
         self._member: dict[bytes, int] = {}
         self._seq = itertools.count()
+        # Victims ``victims`` handed out, filed back lazily (before the heap is next
+        # read) if still members: most leave the order first, and are then dropped
+        # here instead of being pushed now and popped as stale entries later.
+        self._pending: list[tuple[float, int, PageRec]] = []
         self._score: Callable[[PageRec], float] = self._fast_score() or self.score
 
     def __len__(self) -> int:
         return len(self._member)
 
     def __iter__(self) -> Iterator[PageRec]:
+        if self._pending:
+            self._flush()
         live = [(s, q, r) for s, q, r in self._heap if self._member.get(r.key) == q]
         return iter([r for _, _, r in sorted(live, key=lambda e: (e[0], e[1]))])
 
     def unordered(self) -> list[PageRec]:
+        if self._pending:
+            self._flush()
         member = self._member
         return [r for _, q, r in self._heap if member.get(r.key) == q]
 
@@ -371,7 +379,17 @@ class PhiOrder:
     def remove(self, rec: PageRec) -> None:
         self._member.pop(rec.key, None)
 
+    def _flush(self) -> None:
+        member = self._member
+        heap = self._heap
+        pending, self._pending = self._pending, []
+        for entry in pending:
+            if member.get(entry[2].key) == entry[1]:
+                heapq.heappush(heap, entry)
+
     def _compact(self) -> None:
+        if self._pending:
+            self._flush()
         member = self._member
         self._heap = [e for e in self._heap if member.get(e[2].key) == e[1]]
         heapq.heapify(self._heap)
@@ -389,6 +407,8 @@ class PhiOrder:
     def _scan(
         self, n: int, eligible: Callable[[PageRec], bool], scan: int, *, refile_victims: bool
     ) -> list[PageRec]:
+        if self._pending:
+            self._flush()
         heap = self._heap
         member_seq = self._member.get
         score = self._score
@@ -410,8 +430,9 @@ class PhiOrder:
                 continue
             if eligible(rec):
                 out.append(rec)
-                if not refile_victims:
-                    continue
+                if refile_victims:
+                    self._pending.append(entry)
+                continue
             kept.append(entry)
         for entry in kept:
             push(heap, entry)
