@@ -121,6 +121,7 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._free: list[int] = list(range(staging.num_chunks - 1, -1, -1))
         self._releasing: list[tuple[ReleaseHandle, list[int]]] = []
+        self._fenced: list[int] = []  # in jobs a cache reset dropped; free once flushed
         self._step = 0
         self._held: dict[str, _RequestState] = {}  # requests holding pins or chunks
         self._pending: set[str] = set()  # requests waiting for an NVMe -> DRAM read
@@ -361,9 +362,29 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def reset_cache(self) -> None:
         """Forget every cached chunk (new weights): later keys live in a new epoch;
-        the old pages are never looked up again and age out of every tier."""
+        the old pages are never looked up again and age out of every tier.
+
+        vLLM drops its in-flight jobs here and never completes them: their pins go
+        now, their staging chunks once the workers have reported them flushed
+        (``on_reset_flushed``: a late copy may still write a chunk until then)."""
+        for req_id, state in list(self._held.items()):
+            self._release_held(req_id, state)
+            if state.loading:
+                self.tm.unpin([self.page_key(k) for k in state.loading])
+                self._fenced.extend(state.loading.values())
+                state.loading.clear()
+            self._fenced.extend(state.storing.values())
+            state.storing.clear()
+            state.plan_step = -1
+        self._held.clear()
+        self._pending.clear()
         self._epoch += 1
         _log.info("kvstore offloading: cache reset, now epoch %d", self._epoch)
+
+    def on_reset_flushed(self) -> None:
+        """Every job the reset dropped has been reported: its staging chunks are free."""
+        self._free.extend(self._fenced)
+        self._fenced.clear()
 
     def get_stats(self) -> Any:
         return None

@@ -316,6 +316,35 @@ def test_reset_cache_forgets_every_chunk(tmp_path: Path) -> None:
         manager.shutdown()
 
 
+def test_reset_cache_with_jobs_in_flight_frees_them_once_flushed(tmp_path: Path) -> None:
+    # vLLM drops the jobs in flight at a reset and never completes them: their pins
+    # must go at once, their staging chunks once the workers reported them flushed.
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys[:3])
+        loader = request("loader", keys[:3])
+        manager.on_new_request(loader)
+        assert [manager.lookup(k, loader) for k in keys[:3]] == [LookupResult.HIT] * 3
+        manager.prepare_load(keys[:3], loader)  # a load job in flight
+        writer = request("writer2", keys)
+        manager.on_new_request(writer)
+        assert manager.prepare_store(keys[3:], writer) is not None  # a store in flight
+        assert len(manager._free) == 8 - 6
+        manager.reset_cache()
+        assert len(manager._free) == 2  # a late worker copy may still land in them
+        for key in keys[:3]:
+            with pytest.raises(ValueError, match="not pinned"):
+                manager.tm.unpin([b"test/0/" + key])  # the load's pins are gone
+        manager.on_reset_flushed()
+        assert len(manager._free) == 8
+        after = request("after", keys)
+        manager.on_new_request(after)
+        assert manager.lookup(keys[0], after) is LookupResult.MISS
+    finally:
+        manager.shutdown()
+
+
 def test_shutdown_closes_the_tier_manager_and_the_staging(tmp_path: Path) -> None:
     manager = open_manager(tmp_path)
     keys = chunk_keys("p")
