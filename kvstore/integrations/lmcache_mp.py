@@ -22,6 +22,13 @@ the key's fields as JSON, so a restarted adapter rebuilds every ``ObjectKey`` fr
 the index alone. The prefix differs from the non-multiprocess plugin's
 (``kvstore/integrations/lmcache.py``, ``lmcache/``): both may share one store.
 
+One store per server: the store takes a writer lock on its directory, so two
+servers never share one (each node has its own). Across nodes, LMCache 0.5.6's P2P
+(``p2p_l2_adapter.py`` + ``modules/p2p_controller.py``) serves a peer only what
+is resident in its L1 (the peer-side prefetch runs with ``skip_l2=True``), over a
+transfer channel that is NIXL or Mooncake TE: pages that live only in this tier
+are not visible to other nodes.
+
 Invariants:
 - Every ``submit_*`` returns at once; the work runs on this adapter's threads, and
   every submitted task publishes exactly one result (a failure included), popped
