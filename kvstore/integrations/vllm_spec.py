@@ -80,6 +80,7 @@ __all__ = ["KVStoreOffloadingManager", "KVStoreOffloadingSpec"]
 
 _KEY_PREFIX = b"vllm-tier/"
 _GROUP_BYTES = 4  # an OffloadKey ends with its KV-cache group index, big-endian
+_STAGING_WAIT_S = 0.005  # the longest a step waits for a staging chunk to come free
 _log = logging.getLogger(__name__)
 
 
@@ -122,6 +123,7 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._free: list[int] = list(range(staging.num_chunks - 1, -1, -1))
         self._releasing: list[tuple[ReleaseHandle, list[int]]] = []
         self._fenced: list[int] = []  # in jobs a cache reset dropped; free once flushed
+        self._warned_staging = False
         self._step = 0
         self._held: dict[str, _RequestState] = {}  # requests holding pins or chunks
         self._pending: set[str] = set()  # requests waiting for an NVMe -> DRAM read
@@ -188,6 +190,11 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _take_chunk(self) -> int | None:
         if not self._free:
             self._reclaim()
+            if not self._free and self._releasing:
+                # The oldest store's copy into the arena was submitted a step ago or
+                # more: give it a moment rather than turn a hit or a store away.
+                self._releasing[0][0].wait(_STAGING_WAIT_S)
+                self._reclaim()
         return self._free.pop() if self._free else None
 
     def _release_held(self, req_id: str, state: _RequestState) -> None:
@@ -288,24 +295,34 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self, keys: Iterable[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         """Staging chunks for vLLM to copy the blocks into; admission comes at
-        ``complete_store``, once the bytes are there. None: no chunk free now."""
+        ``complete_store``, once the bytes are there.
+
+        All or nothing: vLLM counts every chunk it asked about as handled once a
+        store job is built, so a partial answer would lose the rest for good; None
+        (no room now) makes it ask again at its next step."""
         state = self._state(req_context)
         wanted = [k for k in keys if k not in state.storing]
-        stored: list[OffloadKey] = []
         chunks: list[int] = []
-        for key in wanted:
+        for _ in wanted:
             chunk = self._take_chunk()
             if chunk is None:
-                break
-            stored.append(key)
+                self._free.extend(chunks)
+                if len(wanted) > self._staging.num_chunks and not self._warned_staging:
+                    self._warned_staging = True
+                    _log.warning(
+                        "kvstore offloading: a store of %d chunks cannot fit the %d staging "
+                        "chunks (cpu_bytes_to_use); raise cpu_bytes_to_use to at least "
+                        "max_num_batched_tokens / tokens per chunk chunks",
+                        len(wanted),
+                        self._staging.num_chunks,
+                    )
+                return None
             chunks.append(chunk)
-        if wanted and not stored:
-            return None
-        state.storing.update(zip(stored, chunks, strict=True))
-        if stored:
+        state.storing.update(zip(wanted, chunks, strict=True))
+        if wanted:
             self._held[req_context.req_id] = state
         return PrepareStoreOutput(
-            keys_to_store=stored, store_spec=CPULoadStoreSpec(chunks), evicted_keys=[]
+            keys_to_store=wanted, store_spec=CPULoadStoreSpec(chunks), evicted_keys=[]
         )
 
     def complete_store(

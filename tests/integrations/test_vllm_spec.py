@@ -230,15 +230,19 @@ def test_prepare_load_refuses_chunks_lookup_did_not_answer_hit(tmp_path: Path) -
         manager.shutdown()
 
 
-def test_no_free_staging_chunk_stores_a_prefix_or_nothing(tmp_path: Path) -> None:
+def test_a_store_without_room_for_all_its_chunks_is_refused_whole(tmp_path: Path) -> None:
+    # vLLM marks every chunk of a store job handled: a partial answer would lose
+    # the rest, so it is all or nothing (None: vLLM asks again next step).
     manager = open_manager(tmp_path, staging_chunks=4)
     try:
         keys = chunk_keys("p")
         ctx = request("writer", keys)
         manager.on_new_request(ctx)
-        first = manager.prepare_store(keys, ctx)
+        assert manager.prepare_store(keys, ctx) is None  # 6 chunks, 4 staging
+        assert len(manager._free) == 4  # nothing held by the refusal
+        first = manager.prepare_store(keys[:4], ctx)
         assert first is not None and first.keys_to_store == keys[:4]
-        assert manager.prepare_store(keys[4:], ctx) is None  # vLLM: cannot store now
+        assert manager.prepare_store(keys[4:], ctx) is None  # none free now
         manager.complete_store(keys[:4], ctx, success=False)  # the copy failed
         assert len(manager._free) == 4
         assert [manager.lookup(k, ctx) for k in keys[:1]] == [LookupResult.MISS]

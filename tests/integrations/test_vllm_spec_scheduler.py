@@ -125,3 +125,40 @@ def test_a_repeated_prompt_in_one_engine_hits_dram(tmp_path: Path) -> None:
         assert tier_manager(a).stats().hits_by_tier[1] >= 3
     finally:
         a.close()
+
+
+def test_many_requests_through_few_staging_chunks_finish_and_release_everything(
+    tmp_path: Path,
+) -> None:
+    # Six prompts on two shared prefixes, run twice, with staging for 4 chunks: some
+    # stores wait (prepare_store None) and some lookups miss for want of a chunk; every
+    # request must still finish, every loaded block must be A's, and nothing stays held.
+    config = spec_config(tmp_path / "nvme")
+    config["cpu_bytes_to_use"] = 4 * 16384
+    prompts = [
+        [base + t for t in range(96)] + [200 + i] * 40 for base in (3, 500) for i in range(3)
+    ]
+    a = engine(config)
+    try:
+        a.run(prompts)
+        expected = {
+            (p, i): a.pattern_block_bytes(prompts[p], i) for p in range(6) for i in range(8)
+        }
+        assert a.reset_prefix_cache()
+        a.scrub_kv()
+        again = a.run(prompts)
+        assert sum(a.num_matched_tokens(r) for r in again) > 0
+        for p, req in enumerate(again):
+            loaded_blocks = a.loaded_tokens(req) // 16
+            blocks = a.request_blocks[req]
+            for i in range(loaded_blocks):
+                assert a.block_bytes(blocks[i]) == expected[(p, i)], (p, i)
+        manager = a.manager
+        assert isinstance(manager, KVStoreOffloadingManager)
+        for handle, _ in manager._releasing:
+            assert handle.wait(5)  # the last stores' copies into the arena
+        manager._reclaim()
+        assert sorted(manager._free) == list(range(4)) and not manager._held
+        assert not manager.has_pending_work()
+    finally:
+        a.close()
