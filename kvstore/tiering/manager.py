@@ -552,11 +552,22 @@ class TierManager:
             copies: dict[Path, list[tuple[PageRec, Any, Any, int]]] = {}
             engine_hbm = self.config.hbm == "engine"
             touched: list[PageRec] = []
+            tag = ctx.tag
+            reuse_access = self._reuse.access_offer
+            tokens_per_page = self.config.tokens_per_page
             for i in range(count):
                 key = key_bytes[i]
                 parent = parent_keys[i]
                 rec = pages.get(key)
-                seen, counted = self._reuse_access(key, rec, parent, ctx.tag)
+                parent_rec = pages.get(parent) if parent is not None else None
+                # _reuse_access, inlined: the depth the page has or would have
+                if rec is not None:
+                    seen, counted = reuse_access(key, rec.depth, tag)
+                    if seen > 1:
+                        rec.reused = True
+                else:
+                    depth = parent_rec.depth + 1 if parent_rec is not None else 0
+                    seen, counted = reuse_access(key, depth, tag)
                 if rec is not None and rec.tiers:
                     if counted:
                         touched.append(rec)
@@ -583,7 +594,6 @@ class TierManager:
                     reasons[i] = "parent declined"
                     declined.add(key)
                     continue
-                parent_rec = pages.get(parent) if parent is not None else None
                 if (
                     parent is not None
                     and parent not in placed
@@ -599,11 +609,14 @@ class TierManager:
                     continue
                 depth = parent_rec.depth + 1 if parent_rec is not None else 0
                 if rec is None:
-                    rec = PageRec(key, parent, depth, self.config.tokens_per_page, nbytes[i], now)
-                    rec.tag = ctx.tag
+                    rec = PageRec(key, parent, depth, tokens_per_page, nbytes[i], now)
+                    rec.tag = tag
                     pages[key] = rec
                     if parent_rec is not None:
-                        self._child_created(parent_rec)
+                        if parent_rec.children == 1:
+                            self._child_created(parent_rec)
+                        else:
+                            parent_rec.children += 1  # _child_created: no branch yet
                 else:
                     rec.nbytes = nbytes[i]
                     rec.cost_ratio = -1.0
@@ -963,21 +976,6 @@ class TierManager:
             return p * (recompute - transfer[tier]) / nbytes
         return (p * recompute - transfer[tier]) / nbytes
 
-    def _reuse_access(
-        self, key: bytes, rec: PageRec | None, parent: bytes | None, tag: str
-    ) -> tuple[int, bool]:
-        before = self._reuse.seen(key)
-        if rec is not None:
-            depth = rec.depth
-        else:
-            parent_rec = self._pages.get(parent) if parent is not None else None
-            depth = parent_rec.depth + 1 if parent_rec is not None else 0
-        seen = self._reuse.access(key, depth, tag, lookup=False)
-        counted = seen != before or before == 0
-        if rec is not None and seen > 1:
-            rec.reused = True
-        return seen, counted
-
     def _touch(self, rec: PageRec, now: float, ctx: RequestContext) -> None:
         age = now - rec.last_access_s
         rec.hits = rec.hits * math.exp(-self._decay_per_s * age) + 1.0 if age > 0 else rec.hits + 1
@@ -1212,14 +1210,14 @@ class TierManager:
         """Where a newly offered page goes; allocates its slot. (tier, reason)."""
         admit = self._admission.admit
         tau = self._tau.tau
+        counters = self._counters
         if self._owned_hbm:
-            ok = admit(rec, HBM, seen, tau[HBM])
-            if ok:
-                slot = self._alloc(HBM)
-                if slot is not None:
-                    rec.hbm_slot = slot
-                    self._bump("admission:hbm:admitted")
-                    return HBM, "admitted"
+            # Admission.admit takes every page into HBM (the engine just computed it)
+            slot = self._alloc(HBM)
+            if slot is not None:
+                rec.hbm_slot = slot
+                counters["admission:hbm:admitted"] = counters.get("admission:hbm:admitted", 0) + 1
+                return HBM, "admitted"
         ok_dram = admit(rec, DRAM, seen, tau[DRAM])
         if not ok_dram and self.config.hbm == "engine":
             # The engine holds it in HBM; DRAM stages it for NVMe if NVMe wants it.
@@ -1232,7 +1230,7 @@ class TierManager:
             self._bump("admission:dram:full")
             return None, "declined: DRAM full (every page pinned or in flight)"
         rec.dram_slot = slot
-        self._bump("admission:dram:admitted")
+        counters["admission:dram:admitted"] = counters.get("admission:dram:admitted", 0) + 1
         return DRAM, "admitted"
 
     def _alloc(self, tier: int) -> int | None:
@@ -1275,16 +1273,17 @@ class TierManager:
         # slots empty that an exclusive chain would fill (measured by `kvstore sim`).
         batch = 2
         clean_list = self._clean_hbm if tier == HBM else self._clean_dram
-        if len(clean_list):
-            # Pages with a copy below go at once (lowest rank first, as any victim);
-            # a demotion would free nothing now.
-            clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
-            counter = _EVICT_CLEAN[tier]
+        # Pages with a copy below go at once (lowest rank first, as any victim); a
+        # demotion would free nothing now. (An empty list answers none.)
+        clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
+        if clean:
+            clear = self._clear_tier
             for rec in clean:
-                self._clear_tier(rec, tier)
-                self._bump(counter)
-            if clean:
-                return
+                clear(rec, tier)
+            counter = _EVICT_CLEAN[tier]
+            counters = self._counters
+            counters[counter] = counters.get(counter, 0) + len(clean)
+            return
         if tier == DRAM:
             # The clean reserve ran dry: grow it (it decays back in step()).
             ceiling = max(_RESERVE_MAX, 1.0 - self.config.watermark_low)
@@ -1513,21 +1512,25 @@ class TierManager:
             # NVMe frees on allocation (a delete): exactly the room these writes need.
             self._evict_to(NVME, None, force=True, batch=max(1, math.ceil(over / self._slot_bytes)))
         self._nvme_reserved += nvme_need
-        items = []
+        items: list[tuple[bytes, Any, dict[str, Any] | None]] = []
         sizes = []
+        fake = self._fake
+        busy = self._busy
         for rec in recs:
-            self._busy(rec, _EVICTING)
+            busy(rec, _EVICTING)
             if demote:
                 self._leave(rec, DRAM)
+            sizes.append(rec.nbytes)
+            if fake:
+                items.append((rec.key, None, None))  # the fake mover stores nothing
+                continue
             meta = {
                 META_TAG: 1,
                 "parent": rec.parent.hex() if rec.parent is not None else None,
                 "depth": rec.depth,
                 "tokens": rec.tokens,
             }
-            view = None if self._fake else self._dram.view(rec.dram_slot, rec.nbytes)
-            items.append((rec.key, view, meta))
-            sizes.append(rec.nbytes)
+            items.append((rec.key, self._dram.view(rec.dram_slot, rec.nbytes), meta))
         kwargs: dict[str, Any] = {"sizes": sizes} if self._fake else {}
         self._mover.nvme_write(
             self._store,
@@ -1710,16 +1713,21 @@ class TierManager:
         pairs = []
         recs = []
         nbytes = 0
+        fake = self._fake
+        set_tier = self._set_tier
         for rec, src, _, tier in reversed(items):  # the chain's tail enters oldest
-            self._busy(rec, _WRITING)
-            self._set_tier(rec, tier)
+            if rec.tiers and rec.state is _READY:
+                self._busy(rec, _WRITING)
+            else:
+                rec.state = _WRITING  # _busy: in no order yet
+            set_tier(rec, tier)
             recs.append((rec, tier))
             nbytes += rec.nbytes
-            if not self._fake:
+            if not fake:
                 arena = self._hbm if tier == HBM else self._dram
                 slot = rec.hbm_slot if tier == HBM else rec.dram_slot
                 pairs.append((src, arena.view(slot, rec.nbytes)))
-        if self._fake:
+        if fake:
             return self._mover.copy(
                 path,
                 [],
@@ -1767,10 +1775,9 @@ class TierManager:
         return len(tickets)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
-        pair = _LAYERS.get(path)
-        if pair is None:
+        key = _LATENCY_KEYS.get(path)
+        if key is None:
             return
-        key = f"{pair[0]}->{pair[1]}"
         row = self._latency.get(key)
         if row is None:
             row = self._latency[key] = [0.0] * (len(OFFLOAD_BUCKETS_S) + 2)
@@ -2199,6 +2206,7 @@ _LAYERS = {
     Path.NVME_WRITE: ("1", "2"),
     Path.NVME_READ: ("2", "1"),
 }
+_LATENCY_KEYS = {path: f"{a}->{b}" for path, (a, b) in _LAYERS.items()}
 
 
 def _byte_view(tensor: Any, what: str) -> Any:

@@ -96,6 +96,16 @@ class ReuseEstimator:
         entry[2] = True
         return count
 
+    def access_offer(self, key: bytes, depth: int, tag: str) -> tuple[int, bool]:
+        """``access(key, depth, tag, lookup=False)`` and whether it counted (False: the
+        lookup of the same request already did): ``seen`` before and after, in one call."""
+        entry = self._history.get(key)
+        if entry is not None and entry[3]:
+            entry[3] = False
+            self._history.move_to_end(key)
+            return entry[0], False  # type: ignore[return-value]
+        return self.access(key, depth, tag, lookup=False), True
+
     def access_lookup(self, keys: list[bytes], tag: str) -> None:
         """``access(key, depth, tag, lookup=True)`` for ``keys[depth]`` in order: a
         lookup's walk in one call (the same counts, without a call per page)."""
@@ -142,7 +152,8 @@ class ReuseEstimator:
         stats[0 if reused else 1] += 1.0
 
     def p(self, depth: int, reused: bool, tag: str) -> float:
-        stats = self._classes.get((depth_bucket(depth), reused, tag))
+        bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
+        stats = self._classes.get((bucket, reused, tag))  # depth_bucket, by its table
         a, b = self._prior
         if stats is None:
             return a / (a + b)
@@ -302,6 +313,7 @@ class PhiOrder:
         # read) if still members: most leave the order first, and are then dropped
         # here instead of being pushed now and popped as stale entries later.
         self._pending: list[tuple[float, int, PageRec]] = []
+        self._compact_at = 1024  # the heap size at which _compact looks again
         self._score: Callable[[PageRec], float] = self._fast_score() or self.score
 
     def __len__(self) -> int:
@@ -364,11 +376,10 @@ class PhiOrder:
 
     def add(self, rec: PageRec) -> None:
         seq = next(self._seq)
-        member = self._member
-        member[rec.key] = seq
+        self._member[rec.key] = seq
         heap = self._heap
         heapq.heappush(heap, (self._score(rec), seq, rec))
-        if len(heap) > 4 * len(member) + 1024:
+        if len(heap) > self._compact_at:
             self._compact()
 
     def touch(self, rec: PageRec) -> None:
@@ -388,11 +399,17 @@ class PhiOrder:
                 heapq.heappush(heap, entry)
 
     def _compact(self) -> None:
+        """Drop the stale entries once they are 4x the live ones (the order the heap
+        gives is the same with or without them)."""
+        member = self._member
+        if len(self._heap) <= 4 * len(member) + 1024:
+            self._compact_at = len(self._heap) + 1024  # not yet: ask again later
+            return
         if self._pending:
             self._flush()
-        member = self._member
         self._heap = [e for e in self._heap if member.get(e[2].key) == e[1]]
         heapq.heapify(self._heap)
+        self._compact_at = 4 * len(member) + 1024
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
         return self._scan(n, eligible, scan, refile_victims=True)
@@ -415,7 +432,9 @@ class PhiOrder:
         pop, push = heapq.heappop, heapq.heappush
         out: list[PageRec] = []
         kept: list[tuple[float, int, PageRec]] = []
-        while heap and len(out) < n and scan > 0:
+        if n <= 0:
+            return out
+        while heap and scan > 0:
             entry = pop(heap)
             rec = entry[2]
             if member_seq(rec.key) != entry[1]:
@@ -432,6 +451,8 @@ class PhiOrder:
                 out.append(rec)
                 if refile_victims:
                     self._pending.append(entry)
+                if len(out) >= n:
+                    break
                 continue
             kept.append(entry)
         for entry in kept:
