@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or reuse) the integration-test environment: kvstore + vLLM + LMCache +
-# transformers, CPU only, kept apart from the core .venv. `make test` calls this
+# SGLang + transformers, CPU only, kept apart from the core .venv. `make test` calls this
 # and then runs `$VENV_INTEG/bin/pytest tests/integrations`.
 #
 #   tools/setup_integ_env.sh            # builds .venv-integ once; a no-op when up to date
@@ -48,6 +48,7 @@ import vllm.v1.kv_offload.tiering.spec
 import lmcache.v1.storage_backend
 import kvstore.integrations.vllm
 import kvstore.integrations.lmcache
+import sglang.srt.mem_cache.storage.backend_factory
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert not torch.version.cuda, "a CUDA torch was installed; install the CPU build first"
 PY
