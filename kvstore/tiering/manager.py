@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import operator
 import os
 import threading
 import time
@@ -1044,28 +1045,27 @@ class TierManager:
         parent = self._pages.get(parent_key)
         if parent is None:
             return
-        children = parent.resident_children
         # tier 0, then 1, then 2 (only NVMe's count moves an order: leaves only there)
         if diff & 1:
             if held & 1:
-                children[0] += 1
-            elif children[0] > 0:
-                children[0] -= 1
+                parent.resident_hbm += 1
+            elif parent.resident_hbm > 0:
+                parent.resident_hbm -= 1
         if diff & 2:
             if held & 2:
-                children[1] += 1
-            elif children[1] > 0:
-                children[1] -= 1
+                parent.resident_dram += 1
+            elif parent.resident_dram > 0:
+                parent.resident_dram -= 1
         if diff & 4:
             if held & 4:
-                children[2] += 1
-                if children[2] == 1:
+                parent.resident_nvme += 1
+                if parent.resident_nvme == 1:
                     # NVMe deletes: only leaves are victims, so a parent waits outside
                     # the order (scanning past it at every eviction would cost more).
                     self._orders[NVME].remove(parent)
-            elif children[2] > 0:
-                children[2] -= 1
-                if not children[2]:
+            elif parent.resident_nvme > 0:
+                parent.resident_nvme -= 1
+                if not parent.resident_nvme:
                     self._enter_order(parent, NVME)
 
     def _set_tier(self, rec: PageRec, tier: int) -> None:
@@ -1087,7 +1087,7 @@ class TierManager:
             elif tier == 0:
                 enter = not new & 2  # a DRAM copy: in the HBM clean list
             else:
-                enter = not rec.resident_children[2]  # NVMe: leaves only
+                enter = not rec.resident_nvme  # NVMe: leaves only
             if enter:
                 self._orders[tier].add(rec)
         self._changed(rec, tiers, leaving)
@@ -1153,7 +1153,7 @@ class TierManager:
             orders[0].add(rec)
         if tiers & 2 and not all_tiers & 4:
             orders[1].add(rec)
-        if tiers & 4 and not rec.resident_children[2]:
+        if tiers & 4 and not rec.resident_nvme:
             orders[2].add(rec)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
@@ -1168,7 +1168,7 @@ class TierManager:
         elif tier == 0:
             if tiers & 2:
                 return  # a DRAM copy: in the HBM clean list
-        elif rec.resident_children[2]:
+        elif rec.resident_nvme:
             return  # NVMe: leaves only
         self._orders[tier].add(rec)
 
@@ -1256,10 +1256,12 @@ class TierManager:
             def below(rec: PageRec) -> bool:
                 return admit(rec, DRAM, 0, tau)
 
+        resident = _RESIDENT_CHILDREN[tier]
+
         def eligible(rec: PageRec) -> bool:
             if rec.pins or rec.waiters or rec.state is not _READY:
                 return False
-            if rec.resident_children[tier] and (below is None or not below(rec)):
+            if resident(rec) and (below is None or not below(rec)):
                 return False
             return force or now - rec.promoted_at_s >= hysteresis
 
@@ -2166,6 +2168,8 @@ def _parse_stats(data: object, where: str) -> _ParsedStats:
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
+# PageRec.resident_children[tier], one slot per tier
+_RESIDENT_CHILDREN = tuple(operator.attrgetter(f"resident_{name}") for name in TIER_NAMES)
 
 
 def _freeable(rec: PageRec) -> bool:

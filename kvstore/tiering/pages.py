@@ -10,7 +10,8 @@ open.
 Invariants (kept by the manager, under its lock):
 - ``tiers`` has bit ``1 << t`` set exactly while tier t holds a copy (or one is being
   written there, state WRITING).
-- ``resident_children[t]`` counts this page's children that hold it in tier t: in t,
+- ``resident_children[t]`` (the slots ``resident_hbm``, ``resident_dram``,
+  ``resident_nvme``) counts this page's children that hold it in tier t: in t,
   not leaving it (``leaving``: a demotion in flight), and with no copy below. A page
   with such a child is not a victim of t (leaves first: removing its only copy would
   orphan the child); copying it down (cleaning) is always allowed.
@@ -77,7 +78,9 @@ class PageRec:
         "parent",
         "pins",
         "promoted_at_s",
-        "resident_children",
+        "resident_dram",
+        "resident_hbm",
+        "resident_nvme",
         "retained",
         "reused",
         "shared",
@@ -106,7 +109,11 @@ class PageRec:
         self.hits = 0.0
         self.demoted_at_s = -1e18
         self.promoted_at_s = -1e18
-        self.resident_children = [0, 0, 0]
+        # resident_children, one int slot per tier: a list per page was one more object
+        # for every full garbage collection to walk.
+        self.resident_hbm = 0
+        self.resident_dram = 0
+        self.resident_nvme = 0
         self.leaving = 0  # tier bits this page is being demoted out of
         self.retained = False
         self.children = 0  # child records created under this page (a count, not a list)
@@ -121,6 +128,11 @@ class PageRec:
         # Φ's cost term, cached by the manager for a full page (it depends on the depth
         # alone); -1: not cached. Reset wherever ``nbytes`` changes.
         self.cost_ratio = -1.0
+
+    @property
+    def resident_children(self) -> tuple[int, int, int]:
+        """Children holding this page in HBM, DRAM, NVMe (a snapshot)."""
+        return (self.resident_hbm, self.resident_dram, self.resident_nvme)
 
     def in_tier(self, tier: int) -> bool:
         return bool(self.tiers & BIT[tier])

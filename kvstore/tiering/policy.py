@@ -44,6 +44,26 @@ _DEPTH_BUCKETS = 8
 _BUCKET_TABLE = 1 << (_DEPTH_BUCKETS - 1)
 _BUCKET_OF = tuple(min(d.bit_length(), _DEPTH_BUCKETS - 1) for d in range(_BUCKET_TABLE))
 
+# ReuseEstimator's history entries, packed into an int (see its __init__). The class
+# table is shared by every estimator: (depth bucket, reused, tag) -> a small id.
+_LOOKED, _PENDING = 1, 2
+_COUNT_SHIFT = 24
+_ONE = 1 << _COUNT_SHIFT
+_CLASS_MASK = (1 << (_COUNT_SHIFT - 2)) - 1
+_CLASS_IDS: dict[tuple[int, bool, str], int] = {}
+_CLASS_OF: list[tuple[int, bool, str]] = []
+
+
+def _class_id(bucket: int, reused: bool, tag: str) -> int:
+    cls = (bucket, reused, tag)
+    cid = _CLASS_IDS.get(cls)
+    if cid is None:
+        if len(_CLASS_OF) > _CLASS_MASK:
+            raise ValueError(f"more than {_CLASS_MASK + 1} reuse classes (engine tags)")
+        cid = _CLASS_IDS[cls] = len(_CLASS_OF)
+        _CLASS_OF.append(cls)
+    return cid
+
 
 def depth_bucket(depth: int) -> int:
     """0, 1, 2-3, 4-7, ... capped: reuse falls with depth in every trace we have."""
@@ -58,8 +78,11 @@ class ReuseEstimator:
     def __init__(self, entries: int, prior: tuple[float, float]) -> None:
         self._limit = entries
         self._prior = prior
-        # key -> [access count, class, pending trial, looked up since last offer]
-        self._history: OrderedDict[bytes, list[object]] = OrderedDict()
+        # key -> one int: access count << 24 | class id << 2 | pending trial << 1 |
+        # looked up since last offer (_COUNT_SHIFT, _CLASS_MASK, _PENDING, _LOOKED). An
+        # int is no object the garbage collector tracks: a list per key (the map holds
+        # ~2x the cache's pages) made every full collection walk them all.
+        self._history: OrderedDict[bytes, int] = OrderedDict()
         self._classes: dict[tuple[int, bool, str], list[float]] = {}
 
     def __len__(self) -> int:
@@ -74,36 +97,37 @@ class ReuseEstimator:
         bucket = depth.bit_length()  # depth_bucket, inlined: this runs once per page
         if bucket >= _DEPTH_BUCKETS:
             bucket = _DEPTH_BUCKETS - 1
+        looked = _LOOKED if lookup else 0
         if entry is None:
-            history[key] = [1, (bucket, False, tag), True, lookup]
+            cid = _class_id(bucket, False, tag)
+            history[key] = _ONE | cid << 2 | _PENDING | looked
             if len(history) > self._limit:
                 _, old = history.popitem(last=False)
-                if old[2]:
-                    self._count(old[1], reused=False)  # type: ignore[arg-type]
+                if old & _PENDING:
+                    self._count(_CLASS_OF[old >> 2 & _CLASS_MASK], reused=False)
             return 1
         history.move_to_end(key)
-        if not lookup and entry[3]:
-            entry[3] = False
-            return entry[0]  # type: ignore[return-value]
-        entry[3] = lookup
-        if entry[2]:
-            self._count(entry[1], reused=True)  # type: ignore[arg-type]
-        count: int = entry[0] + 1  # type: ignore[operator]
-        entry[0] = count
-        cls = entry[1]
-        if cls[0] != bucket or not cls[1] or cls[2] != tag:  # type: ignore[index]
-            entry[1] = (bucket, True, tag)
-        entry[2] = True
+        if not lookup and entry & _LOOKED:
+            history[key] = entry & ~_LOOKED
+            return entry >> _COUNT_SHIFT
+        cid = entry >> 2 & _CLASS_MASK
+        cls = _CLASS_OF[cid]
+        if entry & _PENDING:
+            self._count(cls, reused=True)
+        count = (entry >> _COUNT_SHIFT) + 1
+        if cls[0] != bucket or not cls[1] or cls[2] != tag:
+            cid = _class_id(bucket, True, tag)
+        history[key] = count << _COUNT_SHIFT | cid << 2 | _PENDING | looked
         return count
 
     def access_offer(self, key: bytes, depth: int, tag: str) -> tuple[int, bool]:
         """``access(key, depth, tag, lookup=False)`` and whether it counted (False: the
         lookup of the same request already did): ``seen`` before and after, in one call."""
         entry = self._history.get(key)
-        if entry is not None and entry[3]:
-            entry[3] = False
+        if entry is not None and entry & _LOOKED:
+            self._history[key] = entry & ~_LOOKED
             self._history.move_to_end(key)
-            return entry[0], False  # type: ignore[return-value]
+            return entry >> _COUNT_SHIFT, False
         return self.access(key, depth, tag, lookup=False), True
 
     def access_lookup(self, keys: list[bytes], tag: str) -> None:
@@ -114,34 +138,34 @@ class ReuseEstimator:
         limit = self._limit
         buckets = _BUCKET_OF
         deep = _DEPTH_BUCKETS - 1
+        class_of = _CLASS_OF
         for depth, key in enumerate(keys):
             entry = history.get(key)
             bucket = buckets[depth] if depth < _BUCKET_TABLE else deep
             if entry is None:
-                history[key] = [1, (bucket, False, tag), True, True]
+                history[key] = _ONE | _class_id(bucket, False, tag) << 2 | _PENDING | _LOOKED
                 if len(history) > limit:
                     _, old = history.popitem(last=False)
-                    if old[2]:
-                        self._count(old[1], reused=False)  # type: ignore[arg-type]
+                    if old & _PENDING:
+                        self._count(class_of[old >> 2 & _CLASS_MASK], reused=False)
                 continue
             history.move_to_end(key)
-            entry[3] = True
-            if entry[2]:
-                cls = entry[1]
-                stats = classes.get(cls)  # type: ignore[call-overload]
+            cid = entry >> 2 & _CLASS_MASK
+            cls = class_of[cid]
+            if entry & _PENDING:
+                stats = classes.get(cls)
                 if stats is None:
-                    stats = classes[cls] = [0.0, 0.0]  # type: ignore[index]
+                    stats = classes[cls] = [0.0, 0.0]
                 stats[0] = stats[0] * _COUNT_DECAY + 1.0
                 stats[1] *= _COUNT_DECAY
-            entry[0] = entry[0] + 1  # type: ignore[operator]
-            cls = entry[1]
-            if cls[0] != bucket or not cls[1] or cls[2] != tag:  # type: ignore[index]
-                entry[1] = (bucket, True, tag)
-            entry[2] = True
+            if cls[0] != bucket or not cls[1] or cls[2] != tag:
+                cid = _class_id(bucket, True, tag)
+            count = (entry >> _COUNT_SHIFT) + 1
+            history[key] = count << _COUNT_SHIFT | cid << 2 | _PENDING | _LOOKED
 
     def seen(self, key: bytes) -> int:
         entry = self._history.get(key)
-        return 0 if entry is None else entry[0]  # type: ignore[return-value]
+        return 0 if entry is None else entry >> _COUNT_SHIFT
 
     def _count(self, cls: tuple[int, bool, str], *, reused: bool) -> None:
         stats = self._classes.get(cls)
