@@ -561,18 +561,34 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         parts = [len(views) for views in page_views]
         if len(srcs) != len(sub_keys) or any(p != self._geometry.parts for p in parts):
             raise ValueError(f"pages of {parts} parts; this namespace has {self._geometry.parts}")
-        try:
-            result = tm.offer(sub_keys, srcs, parents=parents)
-        except (KVStoreError, ValueError) as e:
-            _log.warning("kvstore: offer of %d pages failed: %s", len(keys), e)
-            return [False] * len(keys)
-        # The copies read SGLang's buffers: they must land before it may reuse them.
-        result.hbm_release.wait()
-        tiers = result.tiers
         step = self._geometry.parts
-        kept = [
-            all(t is not None for t in tiers[i * step : (i + 1) * step]) for i in range(len(keys))
-        ]
+        kept: list[bool] = []
+        stalled = False
+        while len(kept) < len(keys):
+            first = len(kept) * step  # re-offer from the first page not kept
+            try:
+                result = tm.offer(sub_keys[first:], srcs[first:], parents=parents[first:])
+            except (KVStoreError, ValueError) as e:
+                _log.warning("kvstore: offer of %d pages failed: %s", len(keys) - len(kept), e)
+                break
+            # The copies read SGLang's buffers: they must land before it may reuse them.
+            result.hbm_release.wait()
+            tiers, reasons = result.tiers, result.reasons
+            pages = len(tiers) // step
+            run = 0
+            while run < pages and all(t is not None for t in tiers[run * step : (run + 1) * step]):
+                run += 1
+            kept.extend([True] * run)
+            if run == pages:
+                break
+            # A batch larger than the free DRAM arena: its write-through must finish
+            # before the rest fits. Wait for it once per stall, then give up.
+            full = any(r.startswith("declined: DRAM full") for r in reasons[run * step :])
+            if not full or (stalled and run == 0):
+                break
+            stalled = True
+            tm.drain(self._load_timeout_s)
+        kept.extend([False] * (len(keys) - len(kept)))
         self._bump("set:pages_kept", sum(kept))
         self._bump("set:pages_declined", len(kept) - sum(kept))
         self._record("backup", sum(kept), started)

@@ -18,6 +18,7 @@ Every backend is built the way SGLang's cache controller builds it: through
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,31 @@ def test_v1_pages_survive_a_restart(layout: str, tmp_path: Path) -> None:
         reader.close()
 
 
+def test_a_batch_larger_than_the_dram_arena_is_kept_whole(tmp_path: Path) -> None:
+    pool = FakeHostPool("layer_first")  # 8 pages x 4 parts of 512 bytes
+    small = {"dram_bytes": 8 << 12}
+    writer = make_kvstore(tmp_path, pool, options=small)
+    # 8 slots (a slot is a page rounded up to 4 KiB) for the batch's 32 parts.
+    assert writer.tier_stats().capacity_bytes[1] // 4096 == 8
+    pool.fill(0, 8, seed=6)
+    source = pool.pages(0, 8)
+    keys = [f"b{i}" for i in range(8)]
+    # The rest waits for the write-through of what fits (SGLang sends up to 128 pages).
+    assert writer.batch_set_v1(keys, indices(0, 8)) == [True] * 8
+    writer.close()
+    reader = make_kvstore(
+        tmp_path, FakeHostPool("layer_first"), options={**small, "tier_options": NO_WARMUP}
+    )
+    try:
+        assert reader.batch_exists(keys) == 8
+        # NVMe reads take DRAM slots as earlier copies free them.
+        assert reader.batch_get_v1(keys, indices(8, 8)) == [True] * 8
+        loaded = reader.mem_pool_host.pages(8, 8)
+        assert all(torch.equal(a, b) for a, b in zip(loaded, source, strict=True))
+    finally:
+        reader.close()
+
+
 NO_WARMUP = {"warm_dram_on_open": False}  # the pages stay on NVMe only after the restart
 # 1 MB/s from NVMe: a 2 KiB page (v1) takes 2 ms, a 16 KiB one (legacy) 16 ms; their
 # 16 tokens of prefill at 1 PFLOP/s take 0.13 ms (llama-3.1-8b's 16 GFLOP per token,
@@ -504,5 +530,38 @@ def test_sglang_failure_injector_wraps_kvstore_and_never_gives_wrong_bytes(
                 loads += 1
                 assert all(torch.equal(a, b) for a, b in zip(pool.pages(8, 4), source, strict=True))
         assert loads > 0
+    finally:
+        backend.close()
+
+
+def test_the_prefetch_and_backup_threads_can_call_at_once(tmp_path: Path) -> None:
+    """SGLang calls batch_get_v1 (prefetch thread) while batch_set_v1 runs (backup)."""
+    pool = FakeHostPool("page_first")
+    backend = make_kvstore(tmp_path, pool)
+    try:
+        pool.fill(0, 8, seed=8)
+        source = pool.pages(0, 8)
+        base = [f"c{i}" for i in range(4)]
+        assert backend.batch_set_v1(base, indices(0, 4)) == [True] * 4
+        errors: list[str] = []
+
+        def backup() -> None:
+            for round_ in range(10):  # new keys each round, from pages 4..7
+                keys = [f"n{round_}-{i}" for i in range(4)]
+                if backend.batch_set_v1(keys, indices(4, 4)) != [True] * 4:
+                    errors.append(f"set round {round_}")
+
+        thread = threading.Thread(target=backup)
+        thread.start()
+        for round_ in range(10):  # into pages 8..11 (prefetch) while the backup runs
+            if backend.batch_get_v1(base, indices(8, 4)) != [True] * 4:
+                errors.append(f"get round {round_}")
+            elif not all(
+                torch.equal(a, b) for a, b in zip(pool.pages(8, 4), source[:4], strict=True)
+            ):
+                errors.append(f"bytes round {round_}")
+        thread.join()
+        assert errors == []
+        assert backend.batch_exists([f"n9-{i}" for i in range(4)]) == 4
     finally:
         backend.close()
