@@ -38,8 +38,14 @@ Namespacing: every (model, tp/pp/attention-cp/dcp/dp rank, MLA flag, layout, dty
 page size, part sizes, ``namespace``) gets its own store directory under ``path``
 (``<model>-<hash>``, with a ``.json`` beside it naming its fields): two models or
 two ranks never see each other's pages, and the store's one-writer-per-directory lock
-holds per rank. MLA pages, which SGLang replicates across TP ranks, are therefore
-written by every rank into its own directory (a store has one writer process).
+holds per rank.
+
+MLA with tp_size > 1 gets no L3 hits: SGLang backs up replicated (MLA) pages from
+the writer rank only (``is_storage_writer``, ``backup_skip`` in its cache controller),
+so the other ranks' stores stay empty, their ``batch_exists`` answers 0, and SGLang
+takes the minimum over ranks. A store has one writer process and read-only opens see
+it as of their open, so the ranks cannot share one directory live; such a rank logs
+a warning at start. MLA with one TP rank per store, and every MHA layout, work.
 
 Restart: pages that reached NVMe survive (the manager rebuilds its page forest from
 the store at open); a new instance with the same configuration on the same ``path``
@@ -66,7 +72,7 @@ Extra config keys (besides SGLang's ``backend_name``, ``module_path``,
 
 Not implemented: the v2 calls (``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``,
 hybrid Mamba/SWA pools), pointer-only legacy calls (``target_locations`` without
-tensors), and a shared MLA copy across ranks.
+tensors), and an MLA copy shared across TP ranks (above).
 """
 
 from __future__ import annotations
@@ -270,6 +276,13 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         self._counter_lock = threading.Lock()
         self.directory: Path | None = None
         self.mem_pool_host: Any = None
+        if storage_config.is_mla_model and storage_config.tp_size > 1:
+            _log.warning(
+                "kvstore HiCache: an MLA model with tp_size=%d: SGLang writes L3 pages "
+                "from its writer rank only and this backend keeps one store per rank, "
+                "so L3 lookups will miss (see kvstore.integrations.sglang)",
+                storage_config.tp_size,
+            )
 
     # -- opening --------------------------------------------------------------
 

@@ -565,3 +565,15 @@ def test_the_prefetch_and_backup_threads_can_call_at_once(tmp_path: Path) -> Non
         assert backend.batch_exists([f"n9-{i}" for i in range(4)]) == 4
     finally:
         backend.close()
+
+
+def test_an_mla_model_over_several_tp_ranks_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang backs MLA pages up from its writer rank only; per-rank stores cannot serve
+    # the other ranks, so the backend says so at start.
+    with caplog.at_level("WARNING", logger="kvstore.integrations.sglang"):
+        make_kvstore(tmp_path / "mha").close()
+        assert "MLA" not in caplog.text
+        make_kvstore(tmp_path / "mla", is_mla_model=True).close()
+    assert "MLA model with tp_size=2" in caplog.text
