@@ -1717,13 +1717,15 @@ class TierManager:
         nbytes = 0
         fake = self._fake
         set_tier = self._set_tier
-        for rec, src, _, tier in reversed(items):  # the chain's tail enters oldest
+        tier = items[0][3]  # one tier per path: D2D into HBM, D2H into DRAM
+        for rec, src, _, item_tier in reversed(items):  # the chain's tail enters oldest
+            assert item_tier == tier
             if rec.tiers and rec.state is _READY:
                 self._busy(rec, _WRITING)
             else:
                 rec.state = _WRITING  # _busy: in no order yet
             set_tier(rec, tier)
-            recs.append((rec, tier))
+            recs.append(rec)
             nbytes += rec.nbytes
             if not fake:
                 arena = self._hbm if tier == HBM else self._dram
@@ -1734,11 +1736,11 @@ class TierManager:
                 path,
                 [],
                 priority=_WRITEBACK,
-                tag=("offer", recs),
+                tag=("offer", recs, tier),
                 nbytes=nbytes,
             )
         return self._mover.copy(
-            path, pairs, priority=_WRITEBACK, tag=("offer", recs), wait_event=event
+            path, pairs, priority=_WRITEBACK, tag=("offer", recs, tier), wait_event=event
         )
 
     def _release_handle(self, tickets: list[Ticket]) -> ReleaseHandle:
@@ -1765,7 +1767,7 @@ class TierManager:
                     self._vd_cache = None
                 self._observe_latency(ticket.path, seconds)
             if kind == "offer":
-                self._offer_done(ticket, tag[1])
+                self._offer_done(ticket, tag[1], tag[2])
             elif kind == "demote":
                 self._demote_done(ticket, tag[1], tag[2])
             elif kind == "write":
@@ -1789,9 +1791,9 @@ class TierManager:
         row[-2] += seconds
         row[-1] += 1
 
-    def _offer_done(self, ticket: Ticket, recs: list[tuple[PageRec, int]]) -> None:
+    def _offer_done(self, ticket: Ticket, recs: list[PageRec], tier: int) -> None:
         write_through = []
-        for rec, tier in recs:
+        for rec in recs:
             if rec.state is not _WRITING:
                 continue
             if ticket.error is not None:
@@ -1848,13 +1850,15 @@ class TierManager:
     def _write_done(self, ticket: Ticket, recs: list[PageRec], demote: bool) -> None:
         results = ticket.results
         now = self._now()
+        window_kept = self.config.max_dwpd is not None
         for index, rec in enumerate(recs):
             stored = ticket.error is None and results is not None and results[index]
             self._nvme_reserved -= rec.nbytes
             if stored:
                 self._nvme_written[0] += 1
                 self._nvme_written[1] += rec.nbytes
-                self._write_window.append((now, rec.nbytes))
+                if window_kept:  # read only against a DWPD budget
+                    self._write_window.append((now, rec.nbytes))
                 # Before settling, as in _demote_done: a page that turns clean goes
                 # to the clean list without a stop in DRAM's order.
                 self._set_tier(rec, NVME)
