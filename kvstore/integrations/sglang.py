@@ -19,9 +19,9 @@ Data path (``interface_v1: 1``, zero copy): a SGLang page is the bytes that
 ``mem_pool_host.get_page_buffer_meta`` points at, one or more contiguous runs of the
 host pool's buffer ("parts": K and V for the ``page_first``, ``page_first_direct`` and
 ``page_head`` layouts, K and V per layer for ``layer_first``). Each part is one tier
-manager page, keyed ``<sglang hash>/<part>``, chained to the part before it (the
-page's first part to the previous page's last), and the manager copies straight
-between those views of the host buffer and its DRAM arena. Parts are kept in address
+manager page, keyed ``<sglang hash>/<part>``, whose parent is the same part of the
+previous page, and the manager copies straight between those views of the host
+buffer and its DRAM arena (no bounce buffer; one host memcpy each way). Parts are kept in address
 order, which is the order of ``get_data_page(flat=True)``: the legacy calls
 (``get``/``set``/``batch_get``/``batch_set``, SGLang's path without ``interface_v1``)
 store the same bytes under the same keys, so either path reads what the other wrote.
@@ -56,7 +56,10 @@ Extra config keys (besides SGLang's ``backend_name``, ``module_path``,
 
 - ``path`` (required): the root directory of the per-namespace stores;
 - ``dram_bytes`` (256 MiB): the tier manager's DRAM arena (staging for NVMe writes
-  and reads; SGLang's host pool is the real DRAM cache);
+  and reads; SGLang's host pool is the real DRAM cache). Its slots are parts rounded
+  up to 4 KiB; a ``batch_set_v1`` larger than the free arena waits for the
+  write-through of what fits before offering the rest, so size it to SGLang's batch
+  (128 pages) for full speed;
 - ``nvme_bytes`` (None: the store's ``capacity_bytes``, else unbounded);
 - ``model`` ("llama-3.1-8b"): a ``MODEL_PRESETS`` name or a dict of ``ModelCost``
   fields, the whole model, for the recompute side of the plan; each rank counts
