@@ -48,6 +48,8 @@ import vllm.v1.kv_offload.tiering.spec
 import lmcache.v1.storage_backend
 import kvstore.integrations.vllm
 import kvstore.integrations.lmcache
+import kvstore.integrations.lmcache_mp
+import kvstore.integrations.sglang
 import sglang.srt.mem_cache.storage.backend_factory
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert not torch.version.cuda, "a CUDA torch was installed; install the CPU build first"
