@@ -1016,7 +1016,8 @@ class TierManager:
             else:
                 rec.hbm_clean = False
                 self._clean_hbm.remove(rec)
-                self._enter_order(rec, HBM)
+                if tiers & 1:  # still in HBM (_enter_order's first test)
+                    self._enter_order(rec, HBM)
         clean = tiers & 6 == 6
         if clean != (old_tiers & 6 == 6):
             if clean:
@@ -1024,7 +1025,8 @@ class TierManager:
                 self._orders[DRAM].remove(rec)
             else:
                 self._clean_dram.remove(rec)
-                self._enter_order(rec, DRAM)
+                if tiers & 2:  # still in DRAM (_enter_order's first test)
+                    self._enter_order(rec, DRAM)
         parent_key = rec.parent
         if parent_key is None:
             return
@@ -1102,7 +1104,10 @@ class TierManager:
         owned = tier == 1 or (tier == 0 and self._owned_hbm)  # _tier_bytes, inlined
         nbytes = self._slot_bytes if owned else rec.nbytes
         self._used[tier] -= nbytes
-        self._orders[tier].remove(rec)
+        # A page with a copy below is never in the order of DRAM (it is in the clean
+        # list), nor of owned HBM: there is nothing to remove (most clears are these).
+        if not (tiers & 4 if tier == 1 else tier == 0 and owned and tiers & 2):
+            self._orders[tier].remove(rec)
         leaving = rec.leaving
         if leaving & bit:
             rec.leaving = leaving & ~bit
