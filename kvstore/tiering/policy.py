@@ -123,10 +123,19 @@ class ReuseEstimator:
     def access_offer(self, key: bytes, depth: int, tag: str) -> tuple[int, bool]:
         """``access(key, depth, tag, lookup=False)`` and whether it counted (False: the
         lookup of the same request already did): ``seen`` before and after, in one call."""
-        entry = self._history.get(key)
-        if entry is not None and entry & _LOOKED:
-            self._history[key] = entry & ~_LOOKED
-            self._history.move_to_end(key)
+        history = self._history
+        entry = history.get(key)
+        if entry is None:  # access's first case, inlined: a key never seen (or forgotten)
+            bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
+            history[key] = _ONE | _class_id(bucket, False, tag) << 2 | _PENDING
+            if len(history) > self._limit:
+                _, old = history.popitem(last=False)
+                if old & _PENDING:
+                    self._count(_CLASS_OF[old >> 2 & _CLASS_MASK], reused=False)
+            return 1, True
+        if entry & _LOOKED:
+            history[key] = entry & ~_LOOKED
+            history.move_to_end(key)
             return entry >> _COUNT_SHIFT, False
         return self.access(key, depth, tag, lookup=False), True
 
@@ -436,18 +445,19 @@ class PhiOrder:
         self._compact_at = 4 * len(member) + 1024
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
-        return self._scan(n, eligible, scan, refile_victims=True)
+        return self.take(n, eligible, scan, True)
 
-    def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
+    def take(
+        self,
+        n: int,
+        eligible: Callable[[PageRec], bool],
+        scan: int,
+        refile_victims: bool = False,
+    ) -> list[PageRec]:
         """``victims`` for a caller that removes every one before it next asks this
         order anything: their heap entries are not filed back, which spares a push now
         and the pop of a stale entry later (the member map still holds them until
-        ``remove``)."""
-        return self._scan(n, eligible, scan, refile_victims=False)
-
-    def _scan(
-        self, n: int, eligible: Callable[[PageRec], bool], scan: int, *, refile_victims: bool
-    ) -> list[PageRec]:
+        ``remove``). ``refile_victims``: ``victims`` (they are filed back)."""
         if self._pending:
             self._flush()
         heap = self._heap
