@@ -7,11 +7,12 @@ Every backend is built the way SGLang's cache controller builds it: through
 - The contract suite runs against both backends: what SGLang's file backend passes,
   kvstore passes too (round trip, prefix count with a hole, batch set, namespacing,
   restart, clear).
-- The zero-copy (``interface_v1``) path runs against ``FakeHostPool``: SGLang's
-  ``MHATokenToKVPoolHost`` cannot be imported on CPU here (``sglang.srt.configs``
-  needs torchvision), so the fake keeps its buffer shapes per layout and answers
-  ``get_page_buffer_meta`` / ``get_data_page`` / ``set_from_flat_data_page`` as
-  ``pool_host/mha.py`` does, from the tensor's own addresses.
+- The zero-copy (``interface_v1``) path runs against ``FakeHostPool``
+  (sglang_host_pool.py): SGLang's ``MHATokenToKVPoolHost`` cannot be imported on
+  CPU here (``sglang.srt.configs`` needs torchvision), so the fake keeps its buffer
+  shapes per layout and answers ``get_page_buffer_meta`` / ``get_data_page`` /
+  ``set_from_flat_data_page`` as ``pool_host/mha.py`` does, from the tensor's own
+  addresses.
 - A slow disk: after a restart, pages on NVMe only whose load is slower than their
   recompute count as missing in ``batch_exists`` (while ``exists`` still sees them).
 """
@@ -36,85 +37,29 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 from sglang.srt.mem_cache.storage import (  # type: ignore[import-not-found]
     StorageBackendFactory,
 )
+from sglang_host_pool import LAYOUTS
+from sglang_host_pool import FakeHostPool as SharedHostPool
 
 import kvstore.integrations.sglang as sglang_backend
 from kvstore.integrations.sglang import KVStoreHiCache
 
 STORE_OPTIONS = {"segment_bytes": 4 << 20, "gc_interval_s": 0}
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, HOST_PAGES = 2, 2, 4, 16, 16
-LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_head")
 
 
-class FakeHostPool:
-    """The parts of SGLang's MHA host pool a storage backend touches, on CPU."""
+class FakeHostPool(SharedHostPool):
+    """sglang_host_pool's fake MHA host pool, in this module's geometry."""
 
     def __init__(self, layout: str, dtype: torch.dtype = torch.float32) -> None:
-        self.layout = layout
-        self.dtype = dtype
-        self.page_size = PAGE_TOKENS
-        self.page_num = HOST_PAGES
-        self.size = HOST_PAGES * PAGE_TOKENS
-        self.layer_num, self.head_num, self.head_dim = LAYERS, HEADS, HEAD_DIM
-        shapes = {
-            "page_first": (2, self.size, LAYERS, HEADS, HEAD_DIM),
-            "layer_first": (2, LAYERS, self.size, HEADS, HEAD_DIM),
-            "page_first_direct": (2, HOST_PAGES, LAYERS, PAGE_TOKENS, HEADS, HEAD_DIM),
-            "page_head": (2, HOST_PAGES, HEADS, PAGE_TOKENS, LAYERS, HEAD_DIM),
-        }
-        self.kv_buffer = torch.zeros(shapes[layout], dtype=dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Pointers and byte sizes per page: K, V (per layer for layer_first)."""
-        assert len(indices) % self.page_size == 0
-        kv, itemsize = self.kv_buffer, self.kv_buffer.element_size()
-        pointers: list[int] = []
-        sizes: list[int] = []
-        for start in indices.tolist()[:: self.page_size]:
-            if self.layout == "layer_first":
-                for layer in range(LAYERS):
-                    pointers += [kv[0, layer, start].data_ptr(), kv[1, layer, start].data_ptr()]
-                    sizes += [PAGE_TOKENS * HEADS * HEAD_DIM * itemsize] * 2
-            else:
-                if self.layout == "page_first":
-                    k, v = kv[0, start], kv[1, start]
-                else:
-                    k, v = kv[0, start // PAGE_TOKENS], kv[1, start // PAGE_TOKENS]
-                pointers += [k.data_ptr(), v.data_ptr()]
-                sizes += [LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * itemsize] * 2
-        return pointers, sizes
-
-    def _page(self, index: int) -> torch.Tensor:
-        if self.layout == "layer_first":
-            return self.kv_buffer[:, :, index : index + PAGE_TOKENS]
-        if self.layout == "page_first":
-            return self.kv_buffer[:, index : index + PAGE_TOKENS]
-        page = index // PAGE_TOKENS
-        return self.kv_buffer[:, page : page + 1]
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self._page(index)
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM, dtype=self.dtype)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        page = self._page(index)
-        page.copy_(data_page.reshape(page.shape))
-
-    def fill(self, first_page: int, pages: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        for page in range(first_page, first_page + pages):
-            data = self.get_data_page(page * PAGE_TOKENS)
-            self.set_from_flat_data_page(
-                page * PAGE_TOKENS, torch.randn(data.shape, generator=generator)
-            )
-
-    def pages(self, first_page: int, pages: int) -> list[torch.Tensor]:
-        return [
-            self.get_data_page(p * PAGE_TOKENS).clone()
-            for p in range(first_page, first_page + pages)
-        ]
+        super().__init__(
+            layout,
+            dtype,
+            layers=LAYERS,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            page_tokens=PAGE_TOKENS,
+            pages=HOST_PAGES,
+        )
 
 
 def indices(first_page: int, pages: int) -> torch.Tensor:
