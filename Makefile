@@ -12,6 +12,12 @@ DEMO_DIR ?= ./kvstore-demo
 # CPU only), kept apart from the core install: tools/setup_integ_env.sh.
 VENV_INTEG ?= .venv-integ
 
+# The venvs are installed without byte-compiling (pip --no-compile: minutes less on
+# 2 cores); Python caches the bytecode of what is imported, the first time. Where the
+# environment sets PYTHONDONTWRITEBYTECODE, every process would compile torch, vLLM
+# and transformers from source again (twice their import time), so make unsets it.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: run test lint typecheck unit engines test-bindings integ bench bench-full torture clean
 
 # The io_uring binding (liburing 2024.5.3) is built from its sdist: it needs a C
