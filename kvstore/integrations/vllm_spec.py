@@ -76,7 +76,11 @@ from kvstore.tiering import LookupState, RequestContext, TierConfig, TierManager
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
 from kvstore.tiering.results import LoadPlan, ReleaseHandle
 
-__all__ = ["KVStoreOffloadingManager", "KVStoreOffloadingSpec"]
+__all__ = ["SUPPORTED_VLLM_SPEC", "KVStoreOffloadingManager", "KVStoreOffloadingSpec"]
+
+#: The vLLM releases the spec is tested against (the OffloadingManager API and the
+#: request context's key positions it reads changed between releases).
+SUPPORTED_VLLM_SPEC = ("0.33",)
 
 _KEY_PREFIX = b"vllm-tier/"
 _GROUP_BYTES = 4  # an OffloadKey ends with its KV-cache group index, big-endian
@@ -422,6 +426,17 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
             unlink()
 
 
+def version_warning(version: str) -> str | None:
+    """What to tell an operator running the spec on an untested vLLM, or None."""
+    if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM_SPEC):
+        return None
+    return (
+        f"KVStoreOffloadingSpec is tested on vLLM {', '.join(SUPPORTED_VLLM_SPEC)}.x, not "
+        f"{version}: its offloading API may differ; run tests/integrations/"
+        "test_vllm_spec_scheduler.py against this vLLM before relying on it"
+    )
+
+
 class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """``spec_name: "KVStoreOffloadingSpec"``: the tier manager as vLLM's offload tiers.
 
@@ -431,6 +446,11 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        import vllm  # type: ignore[import-not-found]
+
+        warning = version_warning(str(vllm.__version__))
+        if warning is not None:
+            _log.warning(warning)
         extra = self.extra_config
         path = extra.get("path")
         if not path:

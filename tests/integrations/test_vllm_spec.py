@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvstore.integrations.vllm import KVStoreOffloadingManager  # noqa: E402
+from kvstore.integrations.vllm_spec import version_warning  # noqa: E402
 from kvstore.tiering import ModelCost, TierConfig, TierManager  # noqa: E402
 
 CHUNK = 64 << 10
@@ -361,3 +362,13 @@ def test_shutdown_closes_the_tier_manager_and_the_staging(tmp_path: Path) -> Non
     assert manager._staging.closed
     with pytest.raises(Exception, match="closed"):
         manager.tm.lookup([b"x"])
+
+
+def test_an_untested_vllm_release_is_named_in_a_warning() -> None:
+    import vllm
+
+    assert version_warning(vllm.__version__) is None  # CI's pinned release
+    assert version_warning("0.33.1") is None
+    warning = version_warning("0.34.0")
+    assert warning is not None and "0.34.0" in warning and "0.33" in warning
+    assert version_warning("0.3.3") is not None
