@@ -95,6 +95,7 @@ class _RequestState:
     plan_step: int = -1
     result: Any = None  # the tier manager's LookupResult for ``keys``
     index: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)
+    plan_pins: set[OffloadKey] = dataclasses.field(default_factory=set)  # pinned by the plan
     pinned: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
     loading: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
     storing: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
@@ -120,7 +121,12 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.tm = tm
         self._staging = staging
         self._prefix = prefix
-        self._epoch = 0
+        # The cache-reset epoch lives in the store (a retained page beside the chunks),
+        # so a reset outlives a restart: chunks from before it are never found again.
+        self._epoch_key = prefix + b"epoch"
+        store = tm.store
+        saved = store.get(self._epoch_key) if store is not None else None
+        self._epoch = int(saved) if saved and saved.isdigit() else 0
         self._tokens_per_chunk = tokens_per_chunk
         self._load_timeout_s = load_timeout_s
         self._lock = threading.Lock()
@@ -203,6 +209,9 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _release_held(self, req_id: str, state: _RequestState) -> None:
         """Drop the pins and chunks of lookups vLLM did not turn into a load."""
+        if state.plan_pins:
+            self.tm.unpin([self.page_key(k) for k in state.plan_pins])
+            state.plan_pins.clear()
         if state.pinned:
             self.tm.unpin([self.page_key(k) for k in state.pinned])
             self._free.extend(state.pinned.values())
@@ -228,13 +237,14 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return LookupResult.HIT_PENDING
         if key in state.pinned:
             return LookupResult.HIT
-        # A HIT must still be there at prepare_load: pin it, and hold a staging chunk.
+        if key not in state.plan_pins:
+            return LookupResult.MISS  # it was not resident when the plan pinned the run
+        # A HIT must still be there at prepare_load (the plan's pin) and have a staging
+        # chunk to land in.
         chunk = self._take_chunk()
         if chunk is None:
             return LookupResult.MISS  # no staging chunk free this step: recompute it
-        if not self.tm.pin([self.page_key(key)])[0]:
-            self._free.append(chunk)
-            return LookupResult.MISS
+        state.plan_pins.discard(key)
         state.pinned[key] = chunk
         self._held[req_context.req_id] = state
         return LookupResult.HIT
@@ -243,11 +253,23 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         keys, end_tokens = self._request_keys(key, ctx)
         start_tokens = max(end_tokens - len(keys) * self._tokens_per_chunk, 0)
         tokens = max(end_tokens - start_tokens, self._tokens_per_chunk)
+        page_keys = [self.page_key(k) for k in keys]
+        if state.plan_pins:  # a plan of this request made earlier (another group, step)
+            self.tm.unpin([self.page_key(k) for k in state.plan_pins])
+            state.plan_pins.clear()
+        # Pin first, then plan: a page the plan counts on cannot leave DRAM before
+        # vLLM's prepare_load (the manager's control thread evicts on its own time).
+        pinned = self.tm.pin(page_keys)
         state.result = self.tm.lookup(
-            [self.page_key(k) for k in keys],
-            RequestContext(request_id=ctx.req_id, tokens=tokens),
-            tokens=tokens,
+            page_keys, RequestContext(request_id=ctx.req_id, tokens=tokens), tokens=tokens
         )
+        load = state.result.plan.load_pages if state.result.state is LookupState.READY else 0
+        release = [pk for i, pk in enumerate(page_keys) if pinned[i] and i >= load]
+        if release:
+            self.tm.unpin(release)
+        state.plan_pins = {keys[i] for i in range(load) if pinned[i]}
+        if state.plan_pins:
+            self._held[ctx.req_id] = state
         state.index = {k: i for i, k in enumerate(keys)}
         state.plan_step = self._step
         if state.result.state is LookupState.PENDING:
@@ -305,7 +327,14 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         store job is built, so a partial answer would lose the rest for good; None
         (no room now) makes it ask again at its next step."""
         state = self._state(req_context)
-        wanted = [k for k in keys if k not in state.storing]
+        candidates = [k for k in keys if k not in state.storing]
+        # Leave out what the manager holds already (vLLM's own CPU manager does too): a
+        # chunk vLLM found in its GPU prefix cache need not cross to staging again.
+        page_keys = [self.page_key(k) for k in candidates]
+        present = self.tm.pin(page_keys) if page_keys else []
+        if any(present):
+            self.tm.unpin([pk for pk, held in zip(page_keys, present, strict=True) if held])
+        wanted = [k for k, held in zip(candidates, present, strict=True) if not held]
         chunks: list[int] = []
         for _ in wanted:
             chunk = self._take_chunk()
@@ -400,6 +429,10 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._held.clear()
         self._pending.clear()
         self._epoch += 1
+        store = self.tm.store
+        if store is not None:
+            store.put(self._epoch_key, b"%d" % self._epoch, sync=True)
+            store.retain(self._epoch_key)
         _log.info("kvstore offloading: cache reset, now epoch %d", self._epoch)
 
     def on_reset_flushed(self) -> None:
@@ -424,6 +457,18 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         unlink = getattr(self._staging, "unlink", None)
         if unlink is not None:  # the scheduler side owns the staging file in /dev/shm
             unlink()
+
+
+def check_single_worker(world_size: int) -> None:
+    """The CPU worker writes a chunk from its first byte: with more than one worker
+    the ranks would overwrite each other's shards in one staging file. Refuse."""
+    if world_size > 1:
+        raise ValueError(
+            f"KVStoreOffloadingSpec's CPU worker supports one worker, not {world_size}: "
+            "on this platform vLLM uses no shared offload region, and the ranks would "
+            "overwrite each other's KV in the staging chunks. Run with tensor parallel 1 "
+            "here, or on CUDA, where vLLM's own worker lays out every rank"
+        )
 
 
 def version_warning(version: str) -> str | None:
@@ -465,6 +510,8 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         from kvstore.integrations.vllm import _namespace, namespace_fields
 
         self.fields = namespace_fields(self, self.kv_bytes_per_chunk)
+        if extra.get("namespace"):  # e.g. a weights revision: new weights, new chunks
+            self.fields["namespace"] = str(extra["namespace"])
         self.namespace = _namespace(self.fields)
         self._kvstore_manager: KVStoreOffloadingManager | None = None
         self._kvstore_worker: Any = None
@@ -532,6 +579,7 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
             if self._uses_shared_region():
                 self._kvstore_worker = super().get_worker(kv_caches)
             else:
+                check_single_worker(int(self.config.parallel.world_size))
                 region = StagingRegion(
                     self.config.engine_id, self.num_chunks, self.kv_bytes_per_chunk
                 )

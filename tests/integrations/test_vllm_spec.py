@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvstore.integrations.vllm import KVStoreOffloadingManager  # noqa: E402
-from kvstore.integrations.vllm_spec import version_warning  # noqa: E402
+from kvstore.integrations.vllm_spec import check_single_worker, version_warning  # noqa: E402
 from kvstore.tiering import ModelCost, TierConfig, TierManager  # noqa: E402
 
 CHUNK = 64 << 10
@@ -372,3 +372,68 @@ def test_an_untested_vllm_release_is_named_in_a_warning() -> None:
     warning = version_warning("0.34.0")
     assert warning is not None and "0.34.0" in warning and "0.33" in warning
     assert version_warning("0.3.3") is not None
+
+
+def test_the_plan_pins_every_chunk_it_will_answer_hit_for(tmp_path: Path) -> None:
+    # The plan is made at the request's first lookup; vLLM asks for the other chunks
+    # afterwards. The manager's control thread may evict meanwhile, so the plan pins
+    # the whole run it counts on at once, and the step's end lets go of what vLLM
+    # did not load.
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys)
+        ctx = request("reader", keys)
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys[0], ctx) is LookupResult.HIT
+        for key in keys:  # pinned before vLLM asked about any but the first
+            assert "pins 1," in manager.tm.explain(manager.page_key(key)), key
+        manager.on_schedule_end()
+        for key in keys:
+            assert "pins 0," in manager.tm.explain(manager.page_key(key)), key
+    finally:
+        manager.shutdown()
+
+
+def test_prepare_store_leaves_out_chunks_the_manager_holds(tmp_path: Path) -> None:
+    manager = open_manager(tmp_path)
+    try:
+        keys = chunk_keys("p")
+        store(manager, keys[:4])
+        ctx = request("again", keys)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)  # a prompt whose first 4 chunks are kept
+        assert out is not None and out.keys_to_store == keys[4:]
+        manager._reclaim()  # the first store's staging chunks are back
+        assert len(out.store_spec.block_ids) == 2 and len(manager._free) == 6
+        for key in keys[:4]:  # the probe took no pin
+            assert "pins 0," in manager.tm.explain(manager.page_key(key))
+    finally:
+        manager.shutdown()
+
+
+def test_the_cpu_worker_refuses_more_than_one_rank() -> None:
+    check_single_worker(1)
+    with pytest.raises(ValueError, match="one worker, not 2"):
+        check_single_worker(2)
+
+
+def test_a_cache_reset_outlives_a_restart(tmp_path: Path) -> None:
+    # reset_cache (new weights) must not be undone by a restart: chunks stored before
+    # it stay unreachable, those stored after it are found.
+    manager = open_manager(tmp_path, placement="write_through")
+    old, new = chunk_keys("old"), chunk_keys("new")
+    store(manager, old)
+    manager.reset_cache()
+    store(manager, new)
+    manager.shutdown()
+    fresh = open_manager(tmp_path, warm_dram_on_open=False)
+    try:
+        ctx = request("reader", old)
+        fresh.on_new_request(ctx)
+        assert fresh.lookup(old[0], ctx) is LookupResult.MISS
+        ctx2 = request("reader2", new)
+        fresh.on_new_request(ctx2)
+        assert fresh.lookup(new[0], ctx2) is LookupResult.HIT_PENDING
+    finally:
+        fresh.shutdown()

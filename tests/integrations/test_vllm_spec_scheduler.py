@@ -162,3 +162,15 @@ def test_many_requests_through_few_staging_chunks_finish_and_release_everything(
         assert not manager.has_pending_work()
     finally:
         a.close()
+
+
+def test_a_namespace_keeps_two_weight_revisions_apart(tmp_path: Path) -> None:
+    store_prompt(tmp_path / "nvme").close()
+    config = spec_config(tmp_path / "nvme", warm_dram_on_open=False)
+    config["namespace"] = "weights-v2"  # same model name, new weights
+    b = engine(config)
+    try:
+        (req,) = b.run([PROMPT])
+        assert b.num_matched_tokens(req) == 0 and b.jobs_for(req, "load") == []
+    finally:
+        b.close()
