@@ -89,12 +89,21 @@ _log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
-class _RequestState:
-    """Per request, in ``ReqContext`` state: the step's plan and what it holds."""
+class _GroupPlan:
+    """The tier manager's plan for one KV-cache group's run of a request's chunks."""
 
-    plan_step: int = -1
-    result: Any = None  # the tier manager's LookupResult for ``keys``
-    index: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)
+    step: int
+    result: Any  # the tier manager's LookupResult for the run
+    index: dict[OffloadKey, int]  # chunk key -> its place in the run
+
+
+@dataclasses.dataclass(eq=False)
+class _RequestState:
+    """Per request, in ``ReqContext`` state: the step's plans (one per KV-cache group:
+    a hybrid model's groups are asked about in turns) and what they hold."""
+
+    plans: dict[bytes, _GroupPlan] = dataclasses.field(default_factory=dict)
+    pending_groups: set[bytes] = dataclasses.field(default_factory=set)
     plan_pins: set[OffloadKey] = dataclasses.field(default_factory=set)  # pinned by the plan
     pinned: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
     loading: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
@@ -227,10 +236,12 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         state = self._state(req_context)
-        if state.plan_step != self._step or key not in state.index:
-            self._plan(key, req_context, state)
-        result = state.result
-        index = state.index[key]
+        group = bytes(key)[-_GROUP_BYTES:]
+        plan = state.plans.get(group)
+        if plan is None or plan.step != self._step or key not in plan.index:
+            plan = self._plan(key, req_context, state)
+        result = plan.result
+        index = plan.index[key]
         if index >= result.plan.load_pages:
             return LookupResult.MISS
         if result.state is LookupState.PENDING:
@@ -249,33 +260,40 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._held[req_context.req_id] = state
         return LookupResult.HIT
 
-    def _plan(self, key: OffloadKey, ctx: ReqContext, state: _RequestState) -> None:
+    def _plan(self, key: OffloadKey, ctx: ReqContext, state: _RequestState) -> _GroupPlan:
         keys, end_tokens = self._request_keys(key, ctx)
+        group = bytes(key)[-_GROUP_BYTES:]
         start_tokens = max(end_tokens - len(keys) * self._tokens_per_chunk, 0)
         tokens = max(end_tokens - start_tokens, self._tokens_per_chunk)
         page_keys = [self.page_key(k) for k in keys]
-        if state.plan_pins:  # a plan of this request made earlier (another group, step)
-            self.tm.unpin([self.page_key(k) for k in state.plan_pins])
-            state.plan_pins.clear()
+        stale = [k for k in state.plan_pins if bytes(k)[-_GROUP_BYTES:] == group]
+        if stale:  # this group's plan of an earlier step
+            self.tm.unpin([self.page_key(k) for k in stale])
+            state.plan_pins.difference_update(stale)
         # Pin first, then plan: a page the plan counts on cannot leave DRAM before
         # vLLM's prepare_load (the manager's control thread evicts on its own time).
         pinned = self.tm.pin(page_keys)
-        state.result = self.tm.lookup(
+        result = self.tm.lookup(
             page_keys, RequestContext(request_id=ctx.req_id, tokens=tokens), tokens=tokens
         )
-        load = state.result.plan.load_pages if state.result.state is LookupState.READY else 0
+        load = result.plan.load_pages if result.state is LookupState.READY else 0
         release = [pk for i, pk in enumerate(page_keys) if pinned[i] and i >= load]
         if release:
             self.tm.unpin(release)
-        state.plan_pins = {keys[i] for i in range(load) if pinned[i]}
+        state.plan_pins.update(keys[i] for i in range(load) if pinned[i])
         if state.plan_pins:
             self._held[ctx.req_id] = state
-        state.index = {k: i for i, k in enumerate(keys)}
-        state.plan_step = self._step
-        if state.result.state is LookupState.PENDING:
+        plan = _GroupPlan(self._step, result, {k: i for i, k in enumerate(keys)})
+        state.plans[group] = plan
+        if result.state is LookupState.PENDING:
+            state.pending_groups.add(group)
+        else:
+            state.pending_groups.discard(group)
+        if state.pending_groups:
             self._pending.add(ctx.req_id)
         else:
             self._pending.discard(ctx.req_id)
+        return plan
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -292,7 +310,8 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         chunks = [state.pinned.pop(k) for k in keys]
         state.loading.update(zip(keys, chunks, strict=True))
         page_keys = tuple(self.page_key(k) for k in keys)
-        plan = LoadPlan(page_keys, (1,) * len(keys), len(keys), state.result.plan.cost, "vllm")
+        cost = next(iter(state.plans.values())).result.plan.cost  # for the record only
+        plan = LoadPlan(page_keys, (1,) * len(keys), len(keys), cost, "vllm")
         handle = self.tm.prepare_load(plan, [self._staging.chunk(c) for c in chunks])
         finished = handle.wait(self._load_timeout_s)
         loaded = self.tm.complete_load(handle) if finished else 0
@@ -425,7 +444,8 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 state.loading.clear()
             self._fenced.extend(state.storing.values())
             state.storing.clear()
-            state.plan_step = -1
+            state.plans.clear()
+            state.pending_groups.clear()
         self._held.clear()
         self._pending.clear()
         self._epoch += 1

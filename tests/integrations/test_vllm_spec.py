@@ -437,3 +437,37 @@ def test_a_cache_reset_outlives_a_restart(tmp_path: Path) -> None:
         assert fresh.lookup(new[0], ctx2) is LookupResult.HIT_PENDING
     finally:
         fresh.shutdown()
+
+
+def test_two_kv_groups_asked_in_turns_keep_one_plan_each(tmp_path: Path) -> None:
+    # A hybrid model's groups (full attention, sliding window) are asked about in
+    # turns; each keeps its plan and its pins, planned once per step.
+    manager = open_manager(tmp_path, staging_chunks=8)
+    try:
+        full, window = chunk_keys("p", 3, group=0), chunk_keys("p", 3, group=1)
+        ctx = request("writer", full)
+        for index, key in enumerate(window):
+            ctx.set_offload_key_position(key, (index + 1) * TOKENS)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(full + window, ctx)
+        assert out is not None
+        manager.complete_store(full + window, ctx)
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end()
+        assert manager.tm.drain()
+        assert manager.tm.stats().pages_by_tier[1] == 6  # both chains kept, no orphans
+        reader = request("reader", full)
+        for index, key in enumerate(window):
+            reader.set_offload_key_position(key, (index + 1) * TOKENS)
+        manager.on_new_request(reader)
+        lookups_before = manager.tm.stats().lookups
+        answers = [
+            manager.lookup(k, reader) for pair in zip(full, window, strict=True) for k in pair
+        ]
+        assert answers == [LookupResult.HIT] * 6
+        assert manager.tm.stats().lookups - lookups_before == 2  # one plan per group
+        manager.on_schedule_end()
+        for key in full + window:  # every pin given back
+            assert "pins 0," in manager.tm.explain(manager.page_key(key)), key
+    finally:
+        manager.shutdown()
