@@ -74,13 +74,17 @@ def decode(model: LlamaForCausalLM, cache: DynamicCache, first_token: torch.Tens
     return torch.stack(steps)
 
 
+def prefill(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """The prompt's KV cache and the first greedy token after it."""
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    return out.past_key_values, out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+
 def save(store_path: str, workdir: Path, hold: bool) -> None:
     model = build_model()
     ids = prompt()
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
-    first_token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    cache, first_token = prefill(model, ids)
     keys: list[str] = []
     tensors: list[torch.Tensor] = []
     for index, layer in enumerate(cache.layers):

@@ -50,7 +50,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_roundtrip import DTYPE, build_model, decode, prompt
+from llama_roundtrip import DTYPE, build_model, decode, prefill, prompt
 from llama_tiering import model_cost
 from sglang_host_pool import FakeHostPool
 
@@ -163,10 +163,7 @@ def parts_per_page(pool: FakeHostPool) -> int:
 def save(nvme: str, workdir: Path) -> None:
     model = build_model()
     ids = prompt()[:, :TOKENS]
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
-    first_token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    cache, first_token = prefill(model, ids)
     pools = [host_pool(model, layout) for layout in LAYOUTS]
     for pool in pools:
         put_cache(pool, cache, host_indices(SAVE_PAGES))

@@ -34,7 +34,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_roundtrip import DTYPE, PROMPT_TOKENS, build_model, decode, prompt
+from llama_roundtrip import DTYPE, PROMPT_TOKENS, build_model, decode, prefill, prompt
 
 from kvstore.tiering import LookupState, ModelCost, TierConfig, TierManager
 
@@ -93,10 +93,7 @@ def chained_keys(ids: torch.Tensor, layers: int) -> list[bytes]:
 def save(nvme: str, workdir: Path, hold: bool) -> None:
     model = build_model()
     ids = prompt()
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
-    first_token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    cache, first_token = prefill(model, ids)
     pages: list[torch.Tensor] = []
     for layer in cache.layers:
         pages += [layer.keys.clone().contiguous(), layer.values.clone().contiguous()]

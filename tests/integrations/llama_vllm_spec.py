@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.base import ReqContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_roundtrip import DTYPE, PROMPT_TOKENS, build_model, decode, prompt
+from llama_roundtrip import DTYPE, PROMPT_TOKENS, build_model, decode, prefill, prompt
 from llama_tiering import model_cost
 
 from kvstore.integrations.vllm import KVStoreOffloadingManager
@@ -91,10 +91,7 @@ def request(req_id: str, keys: list[bytes]) -> ReqContext:
 def save(nvme: str, workdir: Path, engine_id: str) -> None:
     model = build_model()
     ids = prompt()
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
-    first_token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    cache, first_token = prefill(model, ids)
     chunks = [
         torch.cat([layer.keys.contiguous().view(-1), layer.values.contiguous().view(-1)])
         .view(torch.uint8)

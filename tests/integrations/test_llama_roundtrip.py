@@ -30,9 +30,10 @@ ENV = {
 }
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run one of the Llama round trips' process scripts; it must exit 0."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, str(script), *args],
         env=ENV,
         capture_output=True,
         text=True,
@@ -40,6 +41,10 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_script(SCRIPT, *args)
 
 
 def assert_bit_identical(workdir: Path) -> None:

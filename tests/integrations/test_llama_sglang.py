@@ -13,9 +13,7 @@ work is in llama_sglang.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,29 +23,14 @@ pytest.importorskip("sglang", reason="needs sglang (make integ env)")
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 torch = pytest.importorskip("torch")
 
-from test_llama_roundtrip import assert_bit_identical  # noqa: E402
+from test_llama_roundtrip import assert_bit_identical, run_script  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("llama_sglang.py")
-REPO = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}
 PAGES, LAYERS = 5, 3
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return run_script(SCRIPT, *args)
 
 
 def test_sglang_backend_restore_in_a_fresh_process_gives_bit_identical_logits(

@@ -14,7 +14,6 @@ work is in llama_tiering.py.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,29 +25,14 @@ pytest.importorskip("transformers", reason="needs transformers (make integ env)"
 torch = pytest.importorskip("torch")
 
 # The logits check of the TensorIO round trip (same files: reference.pt, restored.pt).
-from test_llama_roundtrip import assert_bit_identical  # noqa: E402
+from test_llama_roundtrip import ENV, assert_bit_identical, run_script  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("llama_tiering.py")
-REPO = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}
 PAGES = 6  # 3 layers x (K, V)
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return run_script(SCRIPT, *args)
 
 
 def assert_restored_from_nvme_bit_identical(workdir: Path) -> None:

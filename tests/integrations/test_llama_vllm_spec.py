@@ -11,9 +11,7 @@ rebuilt DynamicCache. The process work is in llama_vllm_spec.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -23,31 +21,16 @@ pytest.importorskip("transformers", reason="needs transformers (make integ env)"
 pytest.importorskip("vllm", reason="needs vllm (make integ env)")
 torch = pytest.importorskip("torch")
 
-from test_llama_roundtrip import assert_bit_identical  # noqa: E402
+from test_llama_roundtrip import assert_bit_identical, run_script  # noqa: E402
 
 from kvstore.integrations.vllm_worker import staging_path  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("llama_vllm_spec.py")
-REPO = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}
 LAYERS = 3
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return run_script(SCRIPT, *args)
 
 
 def test_vllm_spec_restore_in_a_fresh_process_gives_bit_identical_logits(
