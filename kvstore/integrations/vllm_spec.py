@@ -179,12 +179,19 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         keys = [k for end, k in run if end >= start]
         return keys, run[-1][0]
 
-    def _parent_key(self, key: OffloadKey, ctx: ReqContext) -> bytes | None:
-        """The page key of the chunk before ``key`` in its request, same group."""
+    def _parent_keys(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[bytes | None]:
+        """The page key of the chunk before each of ``keys`` in its request (same KV
+        group), None for a first chunk: one pass over the request's positions."""
         positions: Mapping[OffloadKey, int] = getattr(ctx, "_offload_key_positions", {})
-        end = positions.get(key)
-        if end is None or end <= self._tokens_per_chunk:
-            return None
+        by_end = {(end, bytes(k)[-_GROUP_BYTES:]): k for k, end in positions.items()}
+        parents: list[bytes | None] = []
+        for key in keys:
+            end = positions.get(key)
+            before = None
+            if end is not None and end > self._tokens_per_chunk:
+                before = by_end.get((end - self._tokens_per_chunk, bytes(key)[-_GROUP_BYTES:]))
+            parents.append(None if before is None else self.page_key(before))
+        return parents
         group = bytes(key)[-_GROUP_BYTES:]
         wanted = end - self._tokens_per_chunk
         for other, other_end in positions.items():
@@ -399,7 +406,7 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
             [self.page_key(k) for k in done],
             [self._staging.chunk(c) for c in chunks],
             RequestContext(request_id=req_context.req_id),
-            parents=[self._parent_key(k, req_context) for k in done],
+            parents=self._parent_keys(done, req_context),
         )
         self._releasing.append((result.hbm_release, chunks))
         if not state.pinned and not state.loading and not state.storing:
