@@ -203,11 +203,19 @@ class TierManager:
         # order: an allocation under pressure takes the lowest (leaving DRAM makes no
         # hole in a prefix while the NVMe copy stays).
         self._clean_dram: EvictionOrder = make_order(
-            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
+            config.eviction,
+            config.phi_weights,
+            config.recency_scale_s,
+            self._cost_ratio,
+            parks=True,
         )
         # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
         self._clean_hbm: EvictionOrder = make_order(
-            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
+            config.eviction,
+            config.phi_weights,
+            config.recency_scale_s,
+            self._cost_ratio,
+            parks=True,
         )
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
@@ -1160,6 +1168,9 @@ class TierManager:
             orders[1].add(rec)
         if tiers & 4 and not rec.resident_nvme:
             orders[2].add(rec)
+        # The clean lists keep a busy member (parked at its first scan): file it back.
+        self._clean_hbm.unpark(rec)
+        self._clean_dram.unpark(rec)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from kvstore.tiering.pages import NVME, PageRec
+from kvstore.tiering.pages import NVME, PageRec, PageState
 
 __all__ = [
     "ARCOrder",
@@ -308,9 +308,12 @@ class EvictionOrder(Protocol):
     def remove(self, rec: PageRec) -> None: ...
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
     def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
+    def unpark(self, rec: PageRec) -> None: ...
     def __iter__(self) -> Iterator[PageRec]: ...
     def unordered(self) -> list[PageRec]: ...
 
+
+_READY = PageState.READY
 
 # Far below any gap between two requests' access times, far above float rounding.
 _DEPTH_TIE_S = 1e-6
@@ -326,6 +329,11 @@ class PhiOrder:
     heap's order stays valid between touches. A touch only raises a page's Φ, so an
     entry is re-filed lazily: when it reaches the head with a Φ below its page's
     current one. Hits, cost and deficit are read when the entry is (re-)filed.
+
+    The heap holds bare floats, each filed Φ unique (``_at`` maps it to its page): a
+    float compares several times faster than a (Φ, seq, page) tuple, and the pops are
+    most of an eviction's cost. A Φ already filed is moved up to the next free float,
+    which orders ties by filing, as a sequence number would.
     """
 
     name = "phi"
@@ -335,34 +343,49 @@ class PhiOrder:
         weights: tuple[float, float, float, float],
         recency_scale_s: float,
         cost_ratio: Callable[[PageRec], float],
+        *,
+        parks: bool = False,
     ) -> None:
         self._w = weights
         self._scale = recency_scale_s
         self._cost_ratio = cost_ratio
-        self._heap: list[tuple[float, int, PageRec]] = []
-        self._member: dict[bytes, int] = {}
-        self._seq = itertools.count()
+        self._heap: list[float] = []
+        # Every filed Φ still in the heap, parked or pending -> its page. An entry is
+        # live while its page's ``_member`` value is that Φ; a stale one is dropped
+        # when it is popped (or at ``_compact``).
+        self._at: dict[float, PageRec] = {}
+        self._member: dict[bytes, float] = {}
         # Victims ``victims`` handed out, filed back lazily (before the heap is next
         # read) if still members: most leave the order first, and are then dropped
         # here instead of being pushed now and popped as stale entries later.
-        self._pending: list[tuple[float, int, PageRec]] = []
+        self._pending: list[float] = []
         self._compact_at = 1024  # the heap size at which _compact looks again
+        # ``parks``: a member found busy (a copy in flight) while ``take`` scans leaves
+        # the heap until ``unpark`` (the manager calls it when the copy lands), so a
+        # busy page is scanned once, not at every allocation while its copy runs.
+        self._parks = parks
+        self._parked: dict[bytes, float] = {}
         self._score: Callable[[PageRec], float] = self._fast_score() or self.score
 
     def __len__(self) -> int:
         return len(self._member)
 
-    def __iter__(self) -> Iterator[PageRec]:
+    def _live(self) -> list[tuple[float, PageRec]]:
         if self._pending:
             self._flush()
-        live = [(s, q, r) for s, q, r in self._heap if self._member.get(r.key) == q]
-        return iter([r for _, _, r in sorted(live, key=lambda e: (e[0], e[1]))])
+        member, at = self._member, self._at
+        out = []
+        for phi in [*self._heap, *self._parked.values()]:
+            rec = at[phi]
+            if member.get(rec.key) == phi:
+                out.append((phi, rec))
+        return out
+
+    def __iter__(self) -> Iterator[PageRec]:
+        return iter([rec for _, rec in sorted(self._live(), key=lambda e: e[0])])
 
     def unordered(self) -> list[PageRec]:
-        if self._pending:
-            self._flush()
-        member = self._member
-        return [r for _, q, r in self._heap if member.get(r.key) == q]
+        return [rec for _, rec in self._live()]
 
     def score(self, rec: PageRec) -> float:
         w1, w2, w3, w4 = self._w
@@ -407,11 +430,23 @@ class PhiOrder:
 
         return fast
 
+    def _file(self, rec: PageRec, phi: float) -> None:
+        at = self._at
+        while phi in at:  # taken (ties: the later filing goes after)
+            phi = math.nextafter(phi, math.inf)
+        at[phi] = rec
+        self._member[rec.key] = phi
+        heapq.heappush(self._heap, phi)
+
     def add(self, rec: PageRec) -> None:
-        seq = next(self._seq)
-        self._member[rec.key] = seq
+        phi = self._score(rec)
+        at = self._at
+        while phi in at:  # _file, inlined
+            phi = math.nextafter(phi, math.inf)
+        at[phi] = rec
+        self._member[rec.key] = phi
         heap = self._heap
-        heapq.heappush(heap, (self._score(rec), seq, rec))
+        heapq.heappush(heap, phi)
         if len(heap) > self._compact_at:
             self._compact()
 
@@ -421,15 +456,26 @@ class PhiOrder:
         so a lookup or offer pays no heap push per page."""
 
     def remove(self, rec: PageRec) -> None:
-        self._member.pop(rec.key, None)
+        self._member.pop(rec.key, None)  # its entry goes stale (parked ones too)
+
+    def unpark(self, rec: PageRec) -> None:
+        """``rec``'s copy landed: its entry, if parked and still live, is filed back."""
+        phi = self._parked.pop(rec.key, None)
+        if phi is None:
+            return
+        if self._member.get(rec.key) == phi:
+            heapq.heappush(self._heap, phi)
+        else:
+            del self._at[phi]
 
     def _flush(self) -> None:
-        member = self._member
-        heap = self._heap
+        member, at, heap = self._member, self._at, self._heap
         pending, self._pending = self._pending, []
-        for entry in pending:
-            if member.get(entry[2].key) == entry[1]:
-                heapq.heappush(heap, entry)
+        for phi in pending:
+            if member.get(at[phi].key) == phi:
+                heapq.heappush(heap, phi)
+            else:
+                del at[phi]
 
     def _compact(self) -> None:
         """Drop the stale entries once they are 4x the live ones (the order the heap
@@ -440,8 +486,11 @@ class PhiOrder:
             return
         if self._pending:
             self._flush()
-        self._heap = [e for e in self._heap if member.get(e[2].key) == e[1]]
+        at = self._at
+        self._heap = [phi for phi in self._heap if member.get(at[phi].key) == phi]
         heapq.heapify(self._heap)
+        self._parked = {k: phi for k, phi in self._parked.items() if member.get(k) == phi}
+        self._at = {phi: at[phi] for phi in (*self._heap, *self._parked.values())}
         self._compact_at = 4 * len(member) + 1024
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
@@ -460,37 +509,43 @@ class PhiOrder:
         ``remove``). ``refile_victims``: ``victims`` (they are filed back)."""
         if self._pending:
             self._flush()
-        heap = self._heap
-        member_seq = self._member.get
-        score = self._score
-        pop, push = heapq.heappop, heapq.heappush
         out: list[PageRec] = []
-        kept: list[tuple[float, int, PageRec]] = []
         if n <= 0:
             return out
+        heap = self._heap
+        at = self._at
+        member_phi = self._member.get
+        score = self._score
+        pop, push = heapq.heappop, heapq.heappush
+        kept: list[float] = []
         while heap and scan > 0:
-            entry = pop(heap)
-            rec = entry[2]
-            if member_seq(rec.key) != entry[1]:
+            phi = pop(heap)
+            rec = at[phi]
+            if member_phi(rec.key) != phi:
+                del at[phi]
                 continue  # stale: removed (or re-filed) since
             scan -= 1
             current = score(rec)
-            if current > entry[0]:
+            if current > phi:
                 # Touched since it was filed: re-file it at its rank now.
-                seq = next(self._seq)
-                self._member[rec.key] = seq
-                push(heap, (current, seq, rec))
+                del at[phi]
+                self._file(rec, current)
                 continue
             if eligible(rec):
                 out.append(rec)
                 if refile_victims:
-                    self._pending.append(entry)
+                    self._pending.append(phi)
+                else:
+                    del at[phi]
                 if len(out) >= n:
                     break
                 continue
-            kept.append(entry)
-        for entry in kept:
-            push(heap, entry)
+            if self._parks and rec.state is not _READY:
+                self._parked[rec.key] = phi  # back at unpark, when the copy lands
+                continue
+            kept.append(phi)
+        for phi in kept:
+            push(heap, phi)
         return out
 
 
@@ -503,8 +558,8 @@ class LRUOrder(PhiOrder):
 
     name = "lru"
 
-    def __init__(self) -> None:
-        super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0)
+    def __init__(self, *, parks: bool = False) -> None:
+        super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0, parks=parks)
 
     def score(self, rec: PageRec) -> float:
         return rec.last_access_s - _DEPTH_TIE_S * rec.depth
@@ -587,17 +642,23 @@ class ARCOrder:
     def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
         return self.victims(n, eligible, scan)
 
+    def unpark(self, rec: PageRec) -> None:
+        """Nothing is parked: ``victims`` walks the lists."""
+
 
 def make_order(
     name: str,
     weights: tuple[float, float, float, float],
     recency_scale_s: float,
     cost_ratio: Callable[[PageRec], float],
+    *,
+    parks: bool = False,
 ) -> EvictionOrder:
+    """``parks``: busy members leave the heap until ``unpark`` (see ``PhiOrder``)."""
     if name == "lru":
-        return LRUOrder()
+        return LRUOrder(parks=parks)
     if name == "arc":
         return ARCOrder()
     if name == "phi":
-        return PhiOrder(weights, recency_scale_s, cost_ratio)
+        return PhiOrder(weights, recency_scale_s, cost_ratio, parks=parks)
     raise ValueError(f"unknown eviction policy {name!r}; known: phi, lru, arc")

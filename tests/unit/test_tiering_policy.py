@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvstore.tiering.pages import PageRec
+from kvstore.tiering.pages import PageRec, PageState
 from kvstore.tiering.policy import (
     Admission,
     ARCOrder,
@@ -103,6 +103,58 @@ def test_victims_skip_ineligible_and_keep_them() -> None:
         got = order.victims(3, lambda r, pinned=pinned: r.key.decode() not in pinned, 100)
         assert names(got) == ["p1", "p3", "p4"], order.name
         assert len(order) == 6
+
+
+def test_equal_phi_goes_in_filing_order() -> None:
+    """Ties (one request's pages at one instant and depth) leave in the order they
+    were filed, before and after re-filing: the float heap moves a taken Φ to the
+    next free float."""
+    order = PhiOrder((1, 0, 0, 0), 60.0, lambda r: 1.0)
+    pages = [rec(f"t{i}", last=7.0) for i in range(5)]
+    for page in (pages[3], pages[0], pages[4], pages[1], pages[2]):
+        order.add(page)
+    assert take_all(order) == ["t3", "t0", "t4", "t1", "t2"]
+    order.remove(pages[0])
+    order.add(pages[0])  # filed again: after every equal page filed before it
+    assert take_all(order) == ["t3", "t4", "t1", "t2", "t0"]
+
+
+def test_a_parking_order_scans_a_busy_page_once() -> None:
+    """``parks``: a member found busy leaves the heap (still a member) until
+    ``unpark``; scans after the first do not spend their budget on it."""
+    order = PhiOrder((1, 0, 0, 0), 60.0, lambda r: 1.0, parks=True)
+    pages = [rec(f"p{i}", last=float(i)) for i in range(4)]
+    for page in pages:
+        order.add(page)
+    for page in pages[:2]:
+        page.state = PageState.WRITING
+    ready = lambda r: r.state is PageState.READY  # noqa: E731
+    # The first scan sees both busy pages (scan budget 3: one victim found).
+    assert names(order.take(2, ready, 3)) == ["p2"]
+    order.remove(pages[2])
+    # Parked now: a budget of 1 reaches p3 at once.
+    assert names(order.victims(1, ready, 1)) == ["p3"]
+    assert len(order) == 3 and sorted(names(order.unordered())) == ["p0", "p1", "p3"]
+    assert names(list(order)) == ["p0", "p1", "p3"]
+    pages[0].state = PageState.READY
+    order.unpark(pages[0])
+    order.remove(pages[1])  # removed while parked: its unpark files nothing
+    pages[1].state = PageState.READY
+    order.unpark(pages[1])
+    assert take_all(order) == ["p0", "p3"]
+    assert len(order) == 2
+
+
+def test_an_order_without_parking_keeps_busy_pages_in_the_scan() -> None:
+    order = PhiOrder((1, 0, 0, 0), 60.0, lambda r: 1.0)
+    pages = [rec(f"p{i}", last=float(i)) for i in range(3)]
+    for page in pages:
+        order.add(page)
+    pages[0].state = PageState.WRITING
+    ready = lambda r: r.state is PageState.READY  # noqa: E731
+    assert names(order.take(1, ready, 3)) == ["p1"]
+    order.remove(pages[1])
+    assert names(order.take(1, ready, 1)) == []  # p0 spends the budget again
 
 
 def test_lru_touch_moves_to_the_back() -> None:
