@@ -1020,7 +1020,8 @@ class TierManager:
             if not rec.hbm_clean:
                 rec.hbm_clean = True
                 self._clean_hbm.add(rec)
-                self._orders[HBM].remove(rec)
+                if rec.state is _READY:  # a busy page is in no tier's order
+                    self._orders[HBM].remove(rec)
             else:
                 rec.hbm_clean = False
                 self._clean_hbm.remove(rec)
@@ -1030,7 +1031,8 @@ class TierManager:
         if clean != (old_tiers & 6 == 6):
             if clean:
                 self._clean_dram.add(rec)
-                self._orders[DRAM].remove(rec)
+                if rec.state is _READY:
+                    self._orders[DRAM].remove(rec)
             else:
                 self._clean_dram.remove(rec)
                 if tiers & 2:  # still in DRAM (_enter_order's first test)
@@ -1069,7 +1071,7 @@ class TierManager:
         if diff & 4:
             if held & 4:
                 parent.resident_nvme += 1
-                if parent.resident_nvme == 1:
+                if parent.resident_nvme == 1 and parent.state is _READY:
                     # NVMe deletes: only leaves are victims, so a parent waits outside
                     # the order (scanning past it at every eviction would cost more).
                     self._orders[NVME].remove(parent)
@@ -1169,8 +1171,11 @@ class TierManager:
         if tiers & 4 and not rec.resident_nvme:
             orders[2].add(rec)
         # The clean lists keep a busy member (parked at its first scan): file it back.
-        self._clean_hbm.unpark(rec)
-        self._clean_dram.unpark(rec)
+        key = rec.key
+        if key in self._clean_hbm.parked:
+            self._clean_hbm.unpark(rec)
+        if key in self._clean_dram.parked:
+            self._clean_dram.unpark(rec)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""
@@ -1196,7 +1201,8 @@ class TierManager:
         tiers, leaving = rec.tiers, rec.leaving
         rec.leaving = leaving | bit
         self._leaving[tier] += self._tier_bytes(rec, tier)
-        self._orders[tier].remove(rec)
+        if rec.state is _READY:
+            self._orders[tier].remove(rec)
         self._changed(rec, tiers, leaving)
 
     def _stay(self, rec: PageRec, tier: int) -> None:

@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 from kvstore.tiering.pages import NVME, PageRec, PageState
@@ -302,6 +302,11 @@ class EvictionOrder(Protocol):
 
     name: str
 
+    @property
+    def parked(self) -> Mapping[bytes, object]:
+        """Members out of the scan until ``unpark`` (a copy in flight)."""
+        ...
+
     def __len__(self) -> int: ...
     def add(self, rec: PageRec) -> None: ...
     def touch(self, rec: PageRec) -> None: ...
@@ -364,7 +369,7 @@ class PhiOrder:
         # the heap until ``unpark`` (the manager calls it when the copy lands), so a
         # busy page is scanned once, not at every allocation while its copy runs.
         self._parks = parks
-        self._parked: dict[bytes, float] = {}
+        self.parked: dict[bytes, float] = {}  # key -> its parked Φ (read by the manager)
         self._score: Callable[[PageRec], float] = self._fast_score() or self.score
 
     def __len__(self) -> int:
@@ -375,7 +380,7 @@ class PhiOrder:
             self._flush()
         member, at = self._member, self._at
         out = []
-        for phi in [*self._heap, *self._parked.values()]:
+        for phi in [*self._heap, *self.parked.values()]:
             rec = at[phi]
             if member.get(rec.key) == phi:
                 out.append((phi, rec))
@@ -460,7 +465,7 @@ class PhiOrder:
 
     def unpark(self, rec: PageRec) -> None:
         """``rec``'s copy landed: its entry, if parked and still live, is filed back."""
-        phi = self._parked.pop(rec.key, None)
+        phi = self.parked.pop(rec.key, None)
         if phi is None:
             return
         if self._member.get(rec.key) == phi:
@@ -489,8 +494,8 @@ class PhiOrder:
         at = self._at
         self._heap = [phi for phi in self._heap if member.get(at[phi].key) == phi]
         heapq.heapify(self._heap)
-        self._parked = {k: phi for k, phi in self._parked.items() if member.get(k) == phi}
-        self._at = {phi: at[phi] for phi in (*self._heap, *self._parked.values())}
+        self.parked = {k: phi for k, phi in self.parked.items() if member.get(k) == phi}
+        self._at = {phi: at[phi] for phi in (*self._heap, *self.parked.values())}
         self._compact_at = 4 * len(member) + 1024
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
@@ -541,7 +546,7 @@ class PhiOrder:
                     break
                 continue
             if self._parks and rec.state is not _READY:
-                self._parked[rec.key] = phi  # back at unpark, when the copy lands
+                self.parked[rec.key] = phi  # back at unpark, when the copy lands
                 continue
             kept.append(phi)
         for phi in kept:
@@ -573,6 +578,7 @@ class ARCOrder:
 
     def __init__(self) -> None:
         self._t1: OrderedDict[bytes, PageRec] = OrderedDict()
+        self.parked: dict[bytes, object] = {}  # never parks
         self._t2: OrderedDict[bytes, PageRec] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()

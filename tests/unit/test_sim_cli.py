@@ -363,3 +363,27 @@ def test_python_dash_m_help_and_kvstore_help() -> None:
     assert "Usage: python -m kvstore.tiering.sim" in done.stdout and "--generate" in done.stdout
     listing = CliRunner().invoke(main, ["--help"])
     assert listing.exit_code == 0 and " sim " in listing.stdout
+
+
+def test_a_replay_paces_the_collector_and_restores_it() -> None:
+    """The replay collects less often while it runs (a batch job) and leaves the
+    process's garbage-collector thresholds as it found them, even on an error."""
+    import gc
+
+    from kvstore.tiering import sim
+
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    requests = generate("multi-turn", seed=3, requests=40)
+    cap = (8, 32, 128)
+    config = sim.kvstore_config(cap, MODEL_PRESETS["llama-3.1-8b"], 512, sim.Machine())
+    sim.simulate_kvstore(requests, config, progress=lambda _: seen.append(gc.get_threshold()))
+    assert seen and all(t[0] >= 10 * before[0] for t in seen)
+    assert gc.get_threshold() == before
+
+    def boom(_: int) -> None:
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        sim.simulate_kvstore(requests, config, progress=boom)
+    assert gc.get_threshold() == before
