@@ -207,7 +207,6 @@ class TierManager:
             config.phi_weights,
             config.recency_scale_s,
             self._cost_ratio,
-            parks=True,
         )
         # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
         self._clean_hbm: EvictionOrder = make_order(
@@ -215,7 +214,6 @@ class TierManager:
             config.phi_weights,
             config.recency_scale_s,
             self._cost_ratio,
-            parks=True,
         )
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
@@ -1170,12 +1168,6 @@ class TierManager:
             orders[1].add(rec)
         if tiers & 4 and not rec.resident_nvme:
             orders[2].add(rec)
-        # The clean lists keep a busy member (parked at its first scan): file it back.
-        key = rec.key
-        if key in self._clean_hbm.parked:
-            self._clean_hbm.unpark(rec)
-        if key in self._clean_dram.parked:
-            self._clean_dram.unpark(rec)
 
     def _enter_order(self, rec: PageRec, tier: int) -> None:
         """``rec`` may be a victim of ``tier`` again (a leaf there, settled, staying)."""

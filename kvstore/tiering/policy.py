@@ -22,10 +22,10 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from kvstore.tiering.pages import NVME, PageRec, PageState
+from kvstore.tiering.pages import NVME, PageRec
 
 __all__ = [
     "ARCOrder",
@@ -302,23 +302,15 @@ class EvictionOrder(Protocol):
 
     name: str
 
-    @property
-    def parked(self) -> Mapping[bytes, object]:
-        """Members out of the scan until ``unpark`` (a copy in flight)."""
-        ...
-
     def __len__(self) -> int: ...
     def add(self, rec: PageRec) -> None: ...
     def touch(self, rec: PageRec) -> None: ...
     def remove(self, rec: PageRec) -> None: ...
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
     def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]: ...
-    def unpark(self, rec: PageRec) -> None: ...
     def __iter__(self) -> Iterator[PageRec]: ...
     def unordered(self) -> list[PageRec]: ...
 
-
-_READY = PageState.READY
 
 # Far below any gap between two requests' access times, far above float rounding.
 _DEPTH_TIE_S = 1e-6
@@ -348,14 +340,12 @@ class PhiOrder:
         weights: tuple[float, float, float, float],
         recency_scale_s: float,
         cost_ratio: Callable[[PageRec], float],
-        *,
-        parks: bool = False,
     ) -> None:
         self._w = weights
         self._scale = recency_scale_s
         self._cost_ratio = cost_ratio
         self._heap: list[float] = []
-        # Every filed Φ still in the heap, parked or pending -> its page. An entry is
+        # Every filed Φ still in the heap or pending -> its page. An entry is
         # live while its page's ``_member`` value is that Φ; a stale one is dropped
         # when it is popped (or at ``_compact``).
         self._at: dict[float, PageRec] = {}
@@ -365,11 +355,6 @@ class PhiOrder:
         # here instead of being pushed now and popped as stale entries later.
         self._pending: list[float] = []
         self._compact_at = 1024  # the heap size at which _compact looks again
-        # ``parks``: a member found busy (a copy in flight) while ``take`` scans leaves
-        # the heap until ``unpark`` (the manager calls it when the copy lands), so a
-        # busy page is scanned once, not at every allocation while its copy runs.
-        self._parks = parks
-        self.parked: dict[bytes, float] = {}  # key -> its parked Φ (read by the manager)
         self._score: Callable[[PageRec], float] = self._fast_score() or self.score
 
     def __len__(self) -> int:
@@ -380,7 +365,7 @@ class PhiOrder:
             self._flush()
         member, at = self._member, self._at
         out = []
-        for phi in [*self._heap, *self.parked.values()]:
+        for phi in self._heap:
             rec = at[phi]
             if member.get(rec.key) == phi:
                 out.append((phi, rec))
@@ -461,17 +446,7 @@ class PhiOrder:
         so a lookup or offer pays no heap push per page."""
 
     def remove(self, rec: PageRec) -> None:
-        self._member.pop(rec.key, None)  # its entry goes stale (parked ones too)
-
-    def unpark(self, rec: PageRec) -> None:
-        """``rec``'s copy landed: its entry, if parked and still live, is filed back."""
-        phi = self.parked.pop(rec.key, None)
-        if phi is None:
-            return
-        if self._member.get(rec.key) == phi:
-            heapq.heappush(self._heap, phi)
-        else:
-            del self._at[phi]
+        self._member.pop(rec.key, None)  # its entry goes stale
 
     def _flush(self) -> None:
         member, at, heap = self._member, self._at, self._heap
@@ -494,8 +469,7 @@ class PhiOrder:
         at = self._at
         self._heap = [phi for phi in self._heap if member.get(at[phi].key) == phi]
         heapq.heapify(self._heap)
-        self.parked = {k: phi for k, phi in self.parked.items() if member.get(k) == phi}
-        self._at = {phi: at[phi] for phi in (*self._heap, *self.parked.values())}
+        self._at = {phi: at[phi] for phi in self._heap}
         self._compact_at = 4 * len(member) + 1024
 
     def victims(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
@@ -545,9 +519,6 @@ class PhiOrder:
                 if len(out) >= n:
                     break
                 continue
-            if self._parks and rec.state is not _READY:
-                self.parked[rec.key] = phi  # back at unpark, when the copy lands
-                continue
             kept.append(phi)
         for phi in kept:
             push(heap, phi)
@@ -563,8 +534,8 @@ class LRUOrder(PhiOrder):
 
     name = "lru"
 
-    def __init__(self, *, parks: bool = False) -> None:
-        super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0, parks=parks)
+    def __init__(self) -> None:
+        super().__init__((1.0, 0.0, 0.0, 0.0), 1.0, lambda rec: 0.0)
 
     def score(self, rec: PageRec) -> float:
         return rec.last_access_s - _DEPTH_TIE_S * rec.depth
@@ -578,7 +549,6 @@ class ARCOrder:
 
     def __init__(self) -> None:
         self._t1: OrderedDict[bytes, PageRec] = OrderedDict()
-        self.parked: dict[bytes, object] = {}  # never parks
         self._t2: OrderedDict[bytes, PageRec] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
@@ -648,23 +618,17 @@ class ARCOrder:
     def take(self, n: int, eligible: Callable[[PageRec], bool], scan: int) -> list[PageRec]:
         return self.victims(n, eligible, scan)
 
-    def unpark(self, rec: PageRec) -> None:
-        """Nothing is parked: ``victims`` walks the lists."""
-
 
 def make_order(
     name: str,
     weights: tuple[float, float, float, float],
     recency_scale_s: float,
     cost_ratio: Callable[[PageRec], float],
-    *,
-    parks: bool = False,
 ) -> EvictionOrder:
-    """``parks``: busy members leave the heap until ``unpark`` (see ``PhiOrder``)."""
     if name == "lru":
-        return LRUOrder(parks=parks)
+        return LRUOrder()
     if name == "arc":
         return ARCOrder()
     if name == "phi":
-        return PhiOrder(weights, recency_scale_s, cost_ratio, parks=parks)
+        return PhiOrder(weights, recency_scale_s, cost_ratio)
     raise ValueError(f"unknown eviction policy {name!r}; known: phi, lru, arc")
