@@ -331,38 +331,37 @@ class TierManager:
         with self._lock:
             self._check_open()
             self._harvest()
-            pages = self._pages
+            get = self._pages.get
             tag = ctx.tag
             hit_recs: list[PageRec] = []
+            hit_append = hit_recs.append
             walked: list[bytes] = []  # the hit keys and the first miss: the reuse count's
-            tiers: list[int] = []
-            sizes: list[int] = []
-            extra: list[float] | None = None
-            by_tier = [0, 0, 0]
-            maybe_pending = False  # a page on NVMe only or in flight: the fetch check below
+            walked_append = walked.append
             now = self._now()
             for raw in keys:
                 key = raw if type(raw) is bytes else page_key(raw)
-                rec = pages.get(key)
-                walked.append(key)
+                rec = get(key)
+                walked_append(key)
                 if rec is None or not rec.tiers:
                     break
-                tier = _TOP_TIER[rec.tiers]
-                by_tier[tier] += 1
-                hit_recs.append(rec)
-                tiers.append(tier)
-                sizes.append(rec.nbytes)
-                page_state = rec.state
-                if page_state is not _READY and page_state is not _EVICTING:
-                    maybe_pending = True
-                    if extra is None:
-                        extra = [0.0] * (len(tiers) - 1)
-                    extra.append(self._wait_estimate(rec))
-                else:
-                    if tier == NVME:
-                        maybe_pending = True
-                    if extra is not None:
-                        extra.append(0.0)
+                hit_append(rec)
+            # Per hit page, in C-speed passes rather than in the walk: its top tier, its
+            # size, whether it is in flight (its wait adds to the plan's load time).
+            tiers = [_TOP_TIER[rec.tiers] for rec in hit_recs]
+            sizes = [rec.nbytes for rec in hit_recs]
+            by_tier = [tiers.count(0), tiers.count(1), tiers.count(2)]
+            busy = [
+                i
+                for i, rec in enumerate(hit_recs)
+                if rec.state is not _READY and rec.state is not _EVICTING
+            ]
+            extra: list[float] | None = None
+            if busy:
+                extra = [0.0] * len(hit_recs)
+                for i in busy:
+                    extra[i] = self._wait_estimate(hit_recs[i])
+            # a page on NVMe only or in flight: the fetch check below
+            maybe_pending = bool(busy) or by_tier[NVME] > 0
             self._reuse.access_lookup(walked, tag)
             # Leaves older than their parents at the same instant: chains go from the
             # tail. _touch, inlined: this runs once per hit page.
