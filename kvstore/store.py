@@ -27,7 +27,6 @@ import ctypes
 import dataclasses
 import errno
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -35,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -61,8 +60,6 @@ from kvstore.format.constants import (
     BLOCK_BYTES,
     FORMAT_VERSION,
     MAX_INDEX_KEY_BYTES,
-    MAX_META_BYTES,
-    MAX_META_DEPTH,
     RECORD_PAGE,
     record_span,
 )
@@ -116,6 +113,14 @@ from kvstore.index.table import (
     META_PAGE_COUNT,
     SegmentState,
 )
+from kvstore.inputs import (
+    check_fits,
+    decode_meta,
+    key_bytes,
+    meta_bytes,
+    value_view,
+    writable_view,
+)
 from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue, make_engine, resolve_choice, run_all
 from kvstore.io.files import (
@@ -137,6 +142,7 @@ from kvstore.log.segments import (
 )
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.policies import POLICIES, EvictionPolicy, SegmentView, make_policy
+from kvstore.space.tally import GCTally
 from kvstore.telemetry import TelemetrySnapshot, resolve_capacity, snapshot_of
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.budget import DwpdBudget
@@ -158,85 +164,6 @@ _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
 _VIEW_ATTEMPTS = 10
 
 
-def _key_bytes(key: object) -> bytes:
-    if isinstance(key, str):
-        try:
-            raw = key.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from os.fsdecode
-            shown = key if len(key) <= 64 else key[:64] + "..."
-            raise ValueError(
-                f"key {shown!r} is not encodable as UTF-8 ({e.reason} at index {e.start}); "
-                "pass bytes, or a str without lone surrogates"
-            ) from None
-    elif isinstance(key, bytes):
-        raw = key
-    else:
-        raise TypeError(f"key must be bytes or str, not {type(key).__name__}")
-    if not 0 < len(raw) <= MAX_INDEX_KEY_BYTES:
-        raise ValueError(
-            f"key must be 1..{MAX_INDEX_KEY_BYTES} bytes (the LMDB index's key limit), "
-            f"got {len(raw)}"
-        )
-    return raw
-
-
-def _value_view(value: object, max_page_bytes: int) -> memoryview:
-    try:
-        view = memoryview(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            "value must support the buffer protocol (bytes, bytearray, memoryview, "
-            f"numpy array), not {type(value).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise ValueError("value must be C-contiguous; copy it first (e.g. numpy.ascontiguousarray)")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    size = view.nbytes
-    if size == 0:
-        raise ValueError("value is empty; pages must be at least 1 byte")
-    if size > max_page_bytes:
-        raise ValueError(f"value of {size} bytes exceeds max_page_bytes ({max_page_bytes})")
-    return view
-
-
-def _meta_bytes(meta: Meta | None) -> bytes:
-    if meta is None:
-        return b""
-    if not isinstance(meta, Mapping):
-        raise TypeError(f"meta must be a mapping of str to JSON values, not {type(meta).__name__}")
-    try:
-        raw = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    except RecursionError:
-        raise ValueError(f"meta nests deeper than {MAX_META_DEPTH} levels") from None
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"meta must hold only JSON values: {e}") from None
-    if len(raw) > MAX_META_BYTES:
-        raise ValueError(f"meta encodes to {len(raw)} bytes; the limit is {MAX_META_BYTES}")
-    # Nesting is capped so that every reader can decode what was stored: the JSON
-    # decoder recurses per level. Counting brackets is cheap and bounds the depth.
-    if raw.count(b"[") + raw.count(b"{") > MAX_META_DEPTH and _json_depth(meta) > MAX_META_DEPTH:
-        raise ValueError(f"meta nests deeper than {MAX_META_DEPTH} levels")
-    return raw
-
-
-def _json_depth(value: object) -> int:
-    """How deeply ``value`` nests dicts and lists (a scalar is 0), without recursion."""
-    deepest = 0
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Iterable[object] = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
 def _quietly(release: Callable[[], object]) -> None:
     """Run one release step of ``close``; an OSError must not skip the others."""
     try:
@@ -245,68 +172,8 @@ def _quietly(release: Callable[[], object]) -> None:
         pass
 
 
-def _writable_view(buffer: object) -> memoryview:
-    """A flat, writable byte view of ``buffer``, or a TypeError/ValueError saying why not."""
-    try:
-        target = memoryview(buffer)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"buffer must support the buffer protocol, not {type(buffer).__name__}"
-        ) from None
-    if target.readonly:
-        raise TypeError("buffer must be writable")
-    if not target.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    return target.cast("B") if target.format != "B" or target.ndim != 1 else target
-
-
-def _check_fits(target: memoryview, key: bytes, payload_bytes: int) -> None:
-    if payload_bytes > target.nbytes:
-        raise ValueError(
-            f"buffer of {target.nbytes} bytes is too small for page {key!r} "
-            f"of {payload_bytes} bytes"
-        )
-
-
 def _payload_bytes(payload: memoryview, _in_place: bool) -> bytes:
     return bytes(payload)
-
-
-def _decode_meta(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        return {}
-    try:
-        decoded = json.loads(raw)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        raise CorruptionError("page meta is not JSON") from None
-    if not isinstance(decoded, dict):
-        raise CorruptionError("page meta is not a JSON object")
-    return decoded
-
-
-@dataclasses.dataclass(slots=True)
-class _GCTally:
-    segments_scanned: int = 0
-    segments_freed: int = 0
-    pages_moved: int = 0
-    bytes_moved: int = 0
-    pages_evicted: int = 0
-    bytes_evicted: int = 0
-    drift_segments: int = 0
-    drift_bytes: int = 0
-
-    def freeze(self, seconds: float) -> GCReport:
-        return GCReport(
-            self.segments_scanned,
-            self.segments_freed,
-            self.pages_moved,
-            self.bytes_moved,
-            self.pages_evicted,
-            self.bytes_evicted,
-            self.drift_segments,
-            self.drift_bytes,
-            seconds,
-        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -1166,9 +1033,9 @@ class KVStore:
         for item in items:
             if not isinstance(item, tuple) or len(item) not in (2, 3):
                 raise TypeError("put_many items must be (key, value) or (key, value, meta) tuples")
-            key = _key_bytes(item[0])
-            view = _value_view(item[1], self.config.max_page_bytes)
-            meta = _meta_bytes(item[2] if len(item) == 3 else None)
+            key = key_bytes(item[0])
+            view = value_view(item[1], self.config.max_page_bytes)
+            meta = meta_bytes(item[2] if len(item) == 3 else None)
             prepared.append((key, view, meta))
         if not prepared:
             return []
@@ -1355,7 +1222,7 @@ class KVStore:
                     continue
                 entry = pending.entry
                 apply_put(table, states, pending.key, entry)
-                on_put(pending.key, entry.payload_bytes, _decode_meta(entry.meta))
+                on_put(pending.key, entry.payload_bytes, decode_meta(entry.meta))
                 pending_records.append(record)
                 pending.segment.dirty = True
                 puts += 1
@@ -1377,7 +1244,7 @@ class KVStore:
 
     def delete(self, key: Key) -> bool:
         """Delete ``key``; True if it was present. Durable like a plain put."""
-        raw = _key_bytes(key)
+        raw = key_bytes(key)
         with self._cond:
             self._wait_writable()
             if self._table.get(raw) is None:
@@ -1579,7 +1446,7 @@ class KVStore:
     # -- reads ---------------------------------------------------------------
 
     def _entry(self, key: Key) -> tuple[bytes, PageEntry | None]:
-        raw = _key_bytes(key)
+        raw = key_bytes(key)
         entry = self._table.get(raw)
         if entry is not None and self._gone_segments and entry.segment_id in self._gone_segments:
             return raw, None  # read-only: freed by the live writer since this view
@@ -1954,7 +1821,7 @@ class KVStore:
         a read-only view's miss of a page the live writer freed and reused since.
         """
         self._check_open()
-        target = _writable_view(buffer)
+        target = writable_view(buffer)
 
         def copy(payload: memoryview, in_place: bool) -> int:
             if not in_place:
@@ -1979,7 +1846,7 @@ class KVStore:
         raw, entry = self._entry(key)
         if entry is not None:
             if target is not None:
-                _check_fits(target, raw, entry.payload_bytes)
+                check_fits(target, raw, entry.payload_bytes)
             with self._lock:
                 segment = self._segments.get(entry.segment_id)
                 if segment is not None:
@@ -1995,7 +1862,7 @@ class KVStore:
             if entry is not None:
                 assert segment is not None
                 if target is not None:  # the hold may have found a newer, larger page
-                    _check_fits(target, raw, entry.payload_bytes)
+                    check_fits(target, raw, entry.payload_bytes)
                 direct = None if target is None else self._direct_target(entry, target)
                 buffer: AlignedBuffer | None
                 buffer, views = self._read_views(entry, direct)
@@ -2054,16 +1921,16 @@ class KVStore:
         """
         self._check_open()
         wanted = [self._entry(key) for key in keys]
-        targets = [_writable_view(buffer) for buffer in buffers]
+        targets = [writable_view(buffer) for buffer in buffers]
         if len(targets) != len(wanted):
             raise ValueError(f"{len(wanted)} keys but {len(targets)} buffers")
         for (raw, entry), target in zip(wanted, targets, strict=True):
             if entry is not None:
-                _check_fits(target, raw, entry.payload_bytes)
+                check_fits(target, raw, entry.payload_bytes)
 
         def sink(index: int, payload: memoryview) -> None:
             target = targets[index]
-            _check_fits(target, wanted[index][0], payload.nbytes)  # overwritten meanwhile?
+            check_fits(target, wanted[index][0], payload.nbytes)  # overwritten meanwhile?
             target[: payload.nbytes] = payload
 
         return self._read_entries(wanted, sink, targets)
@@ -2076,7 +1943,7 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
-        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else _key_bytes(key)
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else key_bytes(key)
         if self._closed:
             self._check_open()
         with self._lock:
@@ -2096,7 +1963,7 @@ class KVStore:
 
     def pin_many(self, keys: Iterable[Key]) -> list[bool]:
         """``pin`` each key under one lock round; per key, False if it is absent."""
-        raws = [_key_bytes(key) for key in keys]
+        raws = [key_bytes(key) for key in keys]
         self._check_open()
         results = []
         with self._lock:
@@ -2117,7 +1984,7 @@ class KVStore:
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
-        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else _key_bytes(key)
+        raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else key_bytes(key)
         if self._closed:
             self._check_open()
         with self._lock:
@@ -2136,7 +2003,7 @@ class KVStore:
 
     def unpin_many(self, keys: Iterable[Key]) -> None:
         """Drop one pin of each key; PinError, and nothing unpinned, if one is not pinned."""
-        raws = [_key_bytes(key) for key in keys]
+        raws = [key_bytes(key) for key in keys]
         self._check_open()
         with self._lock:
             pins, segment_pins = self._pins, self._segment_pins
@@ -2155,7 +2022,7 @@ class KVStore:
     @contextmanager
     def pinned(self, keys: Iterable[Key]) -> Iterator[list[bool]]:
         """Pin a batch for the ``with`` block; yields which keys were pinned."""
-        raws = [_key_bytes(key) for key in keys]
+        raws = [key_bytes(key) for key in keys]
         results = self.pin_many(raws)
         try:
             yield results
@@ -2165,7 +2032,7 @@ class KVStore:
 
     def pin_count(self, key: Key) -> int:
         """How many pins ``key`` holds in this process."""
-        raw = _key_bytes(key)
+        raw = key_bytes(key)
         self._check_open()
         with self._lock:
             return len(self._pins.get(raw, ()))
@@ -2182,7 +2049,7 @@ class KVStore:
         return self._set_retain(key, False)
 
     def _set_retain(self, key: Key, retained: bool) -> bool:
-        raw = _key_bytes(key)
+        raw = key_bytes(key)
         while True:
             with self._cond:
                 self._wait_writable()
@@ -2202,7 +2069,7 @@ class KVStore:
 
     def is_retained(self, key: Key) -> bool:
         """Whether ``key`` is retained (``retain``), as of the latest change."""
-        raw = _key_bytes(key)
+        raw = key_bytes(key)
         self._check_open()
         return raw in self._retains
 
@@ -2217,7 +2084,7 @@ class KVStore:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
         started = time.monotonic()
         started_ns = time.perf_counter_ns()
-        report = _GCTally()
+        report = GCTally()
         with self._gc_lock:
             if full:
                 self._mark_and_sweep(report)
@@ -2241,7 +2108,7 @@ class KVStore:
                 try:
                     started_ns = time.perf_counter_ns()
                     with self._gc_lock:
-                        tally = _GCTally()
+                        tally = GCTally()
                         self._free_empty_segments(tally)
                         self._compact_sparse(tally)
                         if self._capacity_segments is not None:
@@ -2263,7 +2130,7 @@ class KVStore:
             with self._lock:
                 if self._may_roll(False):
                     return
-            tally = _GCTally()
+            tally = GCTally()
             self._free_empty_segments(tally)
             self._evict_until_watermark(tally)
 
@@ -2276,7 +2143,7 @@ class KVStore:
                 if segment_id != active and state.state == SEGMENT_SEALED
             ]
 
-    def _free_empty_segments(self, tally: _GCTally) -> None:
+    def _free_empty_segments(self, tally: GCTally) -> None:
         for segment_id in self._sealed_ids():
             with self._lock:
                 state = self._segment_states.get(segment_id)
@@ -2284,7 +2151,7 @@ class KVStore:
             if empty:
                 self._free_segment(segment_id, tally)
 
-    def _free_segment(self, segment_id: int, tally: _GCTally) -> bool:
+    def _free_segment(self, segment_id: int, tally: GCTally) -> bool:
         """Free a sealed segment with no live, pinned or in-read page: WAL first, then unlink.
 
         Runs under the commit lock: PUT records naming this segment may still be
@@ -2359,7 +2226,7 @@ class KVStore:
                 self._cond.notify_all()
         return True
 
-    def _compact_sparse(self, tally: _GCTally) -> None:
+    def _compact_sparse(self, tally: GCTally) -> None:
         if self._capacity_segments is not None and not self._policy.page_granular:
             # Segment-granular eviction reclaims the oldest segments whole; copying
             # sparse ones forward first would only add write amplification.
@@ -2388,7 +2255,7 @@ class KVStore:
                 room += self.config.segment_bytes
             return live_bytes + BLOCK_BYTES <= room
 
-    def _evict_until_watermark(self, tally: _GCTally) -> None:
+    def _evict_until_watermark(self, tally: GCTally) -> None:
         watermark = self.config.low_watermark_segments + self.config.gc_reserve_segments
         stalled = 0
         while True:
@@ -2425,7 +2292,7 @@ class KVStore:
                 if segment_id in sealed
             ]
 
-    def _evict_one_segment(self, tally: _GCTally) -> None:
+    def _evict_one_segment(self, tally: GCTally) -> None:
         tried: set[int] = set()
         while True:
             views = [view for view in self._segment_views() if view.segment_id not in tried]
@@ -2448,7 +2315,7 @@ class KVStore:
             ):
                 return
 
-    def _evict_pages(self, tally: _GCTally) -> None:
+    def _evict_pages(self, tally: GCTally) -> None:
         with self._lock:
             protected = set(self._pins) | self._retains
         candidates = [key for key in self._table.keys() if key not in protected]  # noqa: SIM118
@@ -2470,7 +2337,7 @@ class KVStore:
                 self._free_segment(view.segment_id, tally)
                 return
 
-    def _evict_entry(self, key: bytes, entry: PageEntry, tally: _GCTally) -> bool:
+    def _evict_entry(self, key: bytes, entry: PageEntry, tally: GCTally) -> bool:
         """Evict a page if it is still ``entry`` and unprotected; logged like a delete.
 
         The DELETE carries the evicted version's own LSN, not a new one: a put of
@@ -2543,7 +2410,7 @@ class KVStore:
                 self._release_reader(segment_id)
 
     def _empty_segment(
-        self, segment_id: int, tally: _GCTally, *, evict: Callable[[bytes], bool]
+        self, segment_id: int, tally: GCTally, *, evict: Callable[[bytes], bool]
     ) -> bool:
         """Move (or evict, where ``evict(key)``) every live page out of a segment.
 
@@ -2578,7 +2445,7 @@ class KVStore:
                 return False  # out of GC room; what moved so far stays valid
         return complete
 
-    def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: _GCTally) -> None:
+    def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: GCTally) -> None:
         """Copy a verified record to the active segment; publish only if unchanged."""
         span = entry.span_bytes
         segment, offset, _ = self._reserve(span, for_gc=True)
@@ -2655,7 +2522,7 @@ class KVStore:
         tally.pages_moved += 1
         tally.bytes_moved += span
 
-    def _mark_and_sweep(self, tally: _GCTally) -> None:
+    def _mark_and_sweep(self, tally: GCTally) -> None:
         """Recompute live bytes per segment from the page table; fix and count drift."""
         with self._cond:
             self._freezing += 1  # hold writers still so the sweep sees one state
@@ -2701,7 +2568,7 @@ class KVStore:
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
-        return self._table.contains(_key_bytes(key))
+        return self._table.contains(key_bytes(key))
 
     def __len__(self) -> int:
         self._check_open()
@@ -2726,7 +2593,7 @@ class KVStore:
             entry.generation,
             entry.lsn,
             entry.payload_checksum,
-            _decode_meta(entry.meta),
+            decode_meta(entry.meta),
         )
 
     def stats(self) -> StoreStats:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvstore.inputs as inputs_module
 import kvstore.store as store_module
 from kvstore import KVStore
 from kvstore.errors import ClosedError, FormatVersionError, IOFailure
@@ -408,7 +409,9 @@ def test_a_wal_holding_an_overlong_key_recovers_with_a_note(
     failed, close() raised and the WAL kept growing. Such a store now opens, drops the
     page with a note, and checkpoints again."""
     long_key = b"L" * 600
-    monkeypatch.setattr(store_module, "MAX_INDEX_KEY_BYTES", MAX_KEY_BYTES)  # the old limit
+    # the old limit, in the put path's fast check and in the key check
+    monkeypatch.setattr(store_module, "MAX_INDEX_KEY_BYTES", MAX_KEY_BYTES)
+    monkeypatch.setattr(inputs_module, "MAX_INDEX_KEY_BYTES", MAX_KEY_BYTES)
     store = open_store(gc_interval_s=0)
     store.put("before", b"1")
     store.put(long_key, b"too long for LMDB")

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"errors"},
     {"format"},
     {"config", "types", "io"},
-    {"log"},
+    {"log", "inputs"},
     {"index", "telemetry", "identity"},
     {"space"},
     {"store", "lifecycle", "check", "recover"},

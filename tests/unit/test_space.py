@@ -443,7 +443,7 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
 ) -> None:
     """The eviction's DELETE carries the evicted version's LSN, so a put of the same
     key that was already in flight (reserved before the eviction) still wins."""
-    from kvstore.store import _GCTally
+    from kvstore.space.tally import GCTally
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))
@@ -452,7 +452,7 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
     original = store._complete_puts
 
     def evict_old_version_first(*args, **kwargs):  # type: ignore[no-untyped-def]
-        assert store._evict_entry(key(0), old, _GCTally())
+        assert store._evict_entry(key(0), old, GCTally())
         return original(*args, **kwargs)
 
     store._complete_puts = evict_old_version_first  # type: ignore[method-assign]
