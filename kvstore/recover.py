@@ -94,6 +94,7 @@ from kvstore.format.wal import (
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
 from kvstore.index.lmdb_verify import verify_lmdb_file
+from kvstore.index.rules import delete_applies, move_applies, put_applies
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -650,25 +651,18 @@ def _apply(scan: _Scan, current: Callable[[bytes], _State | None], lsn: int, bod
         entry = put.entry(lsn)
         scan.saw_lsn(put.generation)
         now = current(put.key)
+        known = now.entry if isinstance(now, _Entry) else now  # the rules' PageEntry
         if isinstance(body, MoveBody):
             old = (body.old_segment_id, body.old_generation, body.old_offset)
-            applies = (
-                now is None
-                or now.lsn < lsn
-                or (
-                    isinstance(now, _Entry)
-                    and now.lsn == lsn
-                    and (now.entry.segment_id, now.entry.generation, now.entry.offset) == old
-                )
-            )
+            applies = move_applies(known, lsn, old)
         else:
-            applies = now is None or now.lsn <= lsn
+            applies = put_applies(known, lsn)
         if applies:
             states[put.key] = _Entry(entry, "wal")
             scan.suspect.discard(put.key)
     elif isinstance(body, DeleteBody):
         now = current(body.key)
-        if now is None or now.lsn <= lsn:
+        if delete_applies(now, lsn):
             states[body.key] = Tombstone(lsn)
             scan.suspect.discard(body.key)
         scan.retains.discard(body.key)

@@ -2497,7 +2497,14 @@ class KVStore:
             if self._table.get(key) != entry:
                 return  # overwritten or deleted meanwhile: the copy is garbage
             old = (entry.segment_id, entry.generation, entry.offset)
-            apply_move(self._table, self._segment_states, key, moved, old)
+            apply_move(
+                self._table,
+                self._segment_states,
+                key,
+                moved,
+                old,
+                checkpoint_lsn=self._checkpoint_lsn,
+            )
             self._pending.append(
                 encode_move(
                     entry.lsn,

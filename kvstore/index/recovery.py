@@ -44,6 +44,7 @@ from kvstore.format.wal import (
     decode_body,
 )
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv, lmdb_read_errors
+from kvstore.index.rules import move_applies
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -123,19 +124,20 @@ def apply_move(
     key: bytes,
     entry: PageEntry,
     old_location: tuple[int, int, int],
+    *,
+    checkpoint_lsn: int,
 ) -> bool:
-    """Apply a compaction MOVE only if the page is still where GC found it."""
+    """Apply a compaction MOVE where ``index.rules.move_applies`` says so. A key the
+    table lacks is dead as of the checkpoint (``checkpoint_lsn``)."""
     segment = segments.get(entry.segment_id)
     if segment is None or segment.generation != entry.generation:
         raise CorruptionError(
             f"move of {key!r} names segment {entry.segment_id}, which the index does not have"
         )
     segment.head_bytes = max(segment.head_bytes, entry.offset + entry.span_bytes)
-    current = table.get(key)
-    if (
-        current is None
-        or (current.segment_id, current.generation, current.offset) != old_location
-        or current.lsn != entry.lsn
+    now = table.state(key)
+    if not move_applies(
+        Tombstone(checkpoint_lsn - 1) if now is None else now, entry.lsn, old_location
     ):
         return False
     return apply_put(table, segments, key, entry)
@@ -383,7 +385,9 @@ def _replay(
                 put = body.put
                 entry = put.entry(record.lsn)
                 old = (body.old_segment_id, body.old_generation, body.old_offset)
-                apply_move(table, segments, put.key, entry, old)
+                apply_move(
+                    table, segments, put.key, entry, old, checkpoint_lsn=recovered.checkpoint_lsn
+                )
             elif isinstance(body, DeleteBody):
                 apply_delete(table, segments, body.key, record.lsn)
                 retains.discard(body.key)

@@ -35,6 +35,7 @@ from kvstore.format.entries import (
     validate_page_entry,
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, lmdb_read_errors
+from kvstore.index.rules import delete_applies, put_applies
 
 __all__ = ["META_CHECKPOINT_LSN", "PageTable", "SegmentState", "Tombstone"]
 
@@ -188,6 +189,10 @@ class PageTable:
     def end_replay(self) -> None:
         self._replay_base = None
 
+    def state(self, key: bytes) -> Slot | None:
+        """The key's live entry, its delete not yet checkpointed, or None (absent)."""
+        return self._slot(key)
+
     def get(self, key: bytes) -> PageEntry | None:
         slot = self._slot(key)
         return slot if isinstance(slot, PageEntry) else None
@@ -220,7 +225,7 @@ class PageTable:
     def put(self, key: bytes, entry: PageEntry) -> tuple[bool, PageEntry | None]:
         """Apply a put if newer. Returns (applied, replaced live entry)."""
         old = self._slot(key)
-        if old is not None and old.lsn > entry.lsn:
+        if not put_applies(old, entry.lsn):
             return False, None
         self.active[key] = entry
         if isinstance(old, PageEntry):
@@ -231,7 +236,7 @@ class PageTable:
     def delete(self, key: bytes, lsn: int) -> PageEntry | None:
         """Apply a delete if newer; returns the entry it removed, if any."""
         old = self._slot(key)
-        if not isinstance(old, PageEntry) or old.lsn > lsn:
+        if not isinstance(old, PageEntry) or not delete_applies(old, lsn):
             return None
         self.active[key] = Tombstone(lsn)
         self.page_count -= 1
