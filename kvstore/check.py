@@ -46,7 +46,7 @@ import lmdb
 
 from kvstore.errors import CorruptionError, KVStoreError, ReadOnlyError
 from kvstore.format.checksum import checksum
-from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE
+from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import PageEntry, decode_page_entry, decode_segment_entry
 from kvstore.format.names import (
     INDEX_DIR,
@@ -64,6 +64,7 @@ from kvstore.format.records import (
     decode_record_header,
     decode_segment_header,
     decode_superblock,
+    entry_mismatches,
 )
 from kvstore.format.wal import decode_body
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, lmdb_read_errors
@@ -825,21 +826,7 @@ def _record_problem(
         header = decode_record_header(view, max_page_bytes=run.store.config.max_page_bytes)
     except KVStoreError as e:
         return "record-header", f"{where}: {e}"
-    mismatched = [
-        name
-        for name, seen, expected in (
-            ("record type", header.record_type, RECORD_PAGE),
-            ("key", header.key, key),
-            ("segment", header.segment_id, entry.segment_id),
-            ("offset", header.offset, entry.offset),
-            ("generation", header.generation, entry.generation),
-            ("lsn", header.lsn, entry.lsn),
-            ("length", header.payload_bytes, entry.payload_bytes),
-            ("payload checksum field", header.payload_checksum, entry.payload_checksum),
-            ("meta", header.meta, entry.meta),
-        )
-        if seen != expected
-    ]
+    mismatched = entry_mismatches(header, key, entry)
     if mismatched:
         return "record-mismatch", (
             f"{where}: the record there does not match the index ({', '.join(mismatched)}; "

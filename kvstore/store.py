@@ -80,6 +80,7 @@ from kvstore.format.records import (
     encode_record_fields_into,
     encode_record_header_into,
     encode_superblock,
+    entry_mismatches,
     record_header_prefix,
 )
 from kvstore.format.records import RecordHeader as _RecordHeader
@@ -1545,18 +1546,12 @@ class KVStore:
             header = decode_record_header(view, max_page_bytes=self.config.max_page_bytes)
         except CorruptionError as e:
             raise CorruptionError(f"{where()}: {e}") from None
-        if (
-            header.key != key
-            or header.segment_id != entry.segment_id
-            or header.offset != entry.offset
-            or header.generation != entry.generation
-            or header.lsn != entry.lsn
-            or header.payload_bytes != entry.payload_bytes
-            or header.payload_checksum != entry.payload_checksum
-        ):
+        mismatched = entry_mismatches(header, key, entry)
+        if mismatched:
             raise CorruptionError(
-                f"{where()}: the record there is not this page (key {header.key!r}, "
-                f"segment {header.segment_id}, offset {header.offset}, lsn {header.lsn})"
+                f"{where()}: the record there is not this page ({', '.join(mismatched)}; "
+                f"it says key {header.key!r}, segment {header.segment_id}, offset "
+                f"{header.offset}, lsn {header.lsn})"
             )
         if checksum(payload) != entry.payload_checksum:
             raise CorruptionError(f"{where()}: payload checksum mismatch")

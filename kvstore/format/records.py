@@ -27,6 +27,7 @@ from kvstore.format.constants import (
     SEGMENT_MAGIC,
     SUPERBLOCK_MAGIC,
 )
+from kvstore.format.entries import PageEntry
 
 __all__ = [
     "RecordHeader",
@@ -39,7 +40,9 @@ __all__ = [
     "encode_record_header_into",
     "encode_segment_header",
     "encode_superblock",
+    "entry_mismatches",
     "record_header_prefix",
+    "record_mismatches",
 ]
 
 _CHECKSUM_AT = BLOCK_BYTES - 8
@@ -329,4 +332,50 @@ def decode_record_header(block: BytesLike, *, max_page_bytes: int) -> RecordHead
         offset,
         generation,
         payload_checksum,
+    )
+
+
+def record_mismatches(
+    header: RecordHeader,
+    key: bytes,
+    *,
+    segment_id: int,
+    offset: int,
+    generation: int,
+    lsn: int,
+    payload_bytes: int,
+    payload_checksum: int,
+    meta: bytes | None,
+    record_type: int = RECORD_PAGE,
+) -> list[str]:
+    """The fields in which a decoded record header differs from the index's entry for
+    ``key`` (empty: it is that page's record). The one record-against-entry check:
+    the store's reads, fsck and the GDS path use it. ``meta`` None: not compared (the
+    caller holds only the decoded meta)."""
+    fields = (
+        ("record type", header.record_type, record_type),
+        ("key", header.key, key),
+        ("segment", header.segment_id, segment_id),
+        ("offset", header.offset, offset),
+        ("generation", header.generation, generation),
+        ("lsn", header.lsn, lsn),
+        ("length", header.payload_bytes, payload_bytes),
+        ("payload checksum field", header.payload_checksum, payload_checksum),
+        ("meta", header.meta, header.meta if meta is None else meta),
+    )
+    return [name for name, seen, expected in fields if seen != expected]
+
+
+def entry_mismatches(header: RecordHeader, key: bytes, entry: PageEntry) -> list[str]:
+    """``record_mismatches`` against an index entry (every field, meta included)."""
+    return record_mismatches(
+        header,
+        key,
+        segment_id=entry.segment_id,
+        offset=entry.offset,
+        generation=entry.generation,
+        lsn=entry.lsn,
+        payload_bytes=entry.payload_bytes,
+        payload_checksum=entry.payload_checksum,
+        meta=entry.meta,
     )

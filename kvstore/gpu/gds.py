@@ -42,7 +42,7 @@ from kvstore.errors import CorruptionError
 from kvstore.format.checksum import checksum
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.names import segment_path
-from kvstore.format.records import decode_record_header
+from kvstore.format.records import decode_record_header, record_mismatches
 from kvstore.gpu._pages import Page, PageStore, PipelineCounters
 from kvstore.gpu._tensors import META_DEVICE_CHECKSUM, byte_view, cuda_event, device_checksum
 from kvstore.gpu.errors import (
@@ -142,16 +142,21 @@ class GDSBackend:
             header = decode_record_header(block, max_page_bytes=self.store.config.max_page_bytes)
         except Exception as e:
             raise TransferError(f"{where}: {e}") from e
-        if (
-            header.key != page.key
-            or header.segment_id != info.segment_id
-            or header.offset != info.offset
-            or header.generation != info.generation
-            or header.lsn != info.lsn
-            or header.payload_bytes != info.payload_bytes
-            or header.payload_checksum != info.checksum
-        ):
-            raise TransferError(f"{where}: the record there is not this page")
+        mismatched = record_mismatches(
+            header,
+            page.key,
+            segment_id=info.segment_id,
+            offset=info.offset,
+            generation=info.generation,
+            lsn=info.lsn,
+            payload_bytes=info.payload_bytes,
+            payload_checksum=info.checksum,
+            meta=None,  # PageInfo holds the decoded meta; the checksum covers the rest
+        )
+        if mismatched:
+            raise TransferError(
+                f"{where}: the record there is not this page ({', '.join(mismatched)})"
+            )
 
     def load(self, pages: list[Page], transfer: Transfer, caller_event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(caller_event)

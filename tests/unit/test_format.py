@@ -57,7 +57,9 @@ from kvstore.format.records import (
     encode_record_header_into,
     encode_segment_header,
     encode_superblock,
+    entry_mismatches,
     record_header_prefix,
+    record_mismatches,
 )
 from kvstore.format.wal import (
     WAL_FILE_HEADER_BYTES,
@@ -661,3 +663,50 @@ def test_encode_wal_record_frames_any_body() -> None:
     magic, body_len, record_type, lsn = struct.unpack_from("<IIBxxxQ", framed)
     assert (magic, body_len, record_type, lsn) == (0x4B56574C, 4, WAL_DELETE, 77)
     assert struct.unpack_from("<Q", framed, len(framed) - 8)[0] == checksum(framed[:-8])
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({}, []),
+        ({"record_type": RECORD_TOMBSTONE}, ["record type"]),
+        ({"key": b"other"}, ["key"]),
+        ({"segment_id": 4}, ["segment"]),
+        ({"offset": 12288}, ["offset"]),
+        ({"generation": 42}, ["generation"]),
+        ({"lsn": 100}, ["lsn"]),
+        ({"payload_bytes": 4999}, ["length"]),
+        ({"payload_checksum": 1}, ["payload checksum field"]),
+        ({"meta": b"{}"}, ["meta"]),
+        ({"lsn": 100, "offset": 0}, ["offset", "lsn"]),
+    ],
+)
+def test_record_against_entry_names_every_field_that_differs(
+    change: dict[str, object], named: list[str]
+) -> None:
+    """The one record-against-entry check (store reads, fsck, GDS): nine fields."""
+    want = make_record_header()
+    entry = PageEntry(
+        want.segment_id,
+        want.generation,
+        want.offset,
+        want.payload_bytes,
+        want.payload_checksum,
+        want.lsn,
+        want.meta,
+    )
+    seen = make_record_header(**change)
+    assert entry_mismatches(seen, want.key, entry) == named
+    # Without the raw meta (GDS holds only the decoded meta), meta is not compared.
+    loose = record_mismatches(
+        seen,
+        want.key,
+        segment_id=want.segment_id,
+        offset=want.offset,
+        generation=want.generation,
+        lsn=want.lsn,
+        payload_bytes=want.payload_bytes,
+        payload_checksum=want.payload_checksum,
+        meta=None,
+    )
+    assert loose == [name for name in named if name != "meta"]
