@@ -2758,7 +2758,7 @@ class KVStore:
             return
         try:
             self._save_telemetry()
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, KVStoreError) as e:  # IndexEnv.write: IOFailure
             note = f"saving the counters failed: {e}"
             if note not in self._telemetry.notes:
                 self._telemetry.notes.append(note)
@@ -2774,7 +2774,7 @@ class KVStore:
         ):
             return
         before = tc.read_io_wchar()
-        self._telemetry.save(self._env.env, self._telemetry_db, snapshot, self._telemetry.clock())
+        self._telemetry.save(self._env.write, self._telemetry_db, snapshot, self._telemetry.clock())
         after = tc.read_io_wchar()
         self._telemetry_saved = snapshot_key
         if before is not None and after is not None:

@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import lmdb
-
 from kvstore.format.checksum import checksum
 
 __all__ = [
@@ -396,9 +394,17 @@ class Telemetry:
         else:
             self._hour_start = list(values)
 
-    def save(self, env: Any, db: Any, snapshot: list[int], now: float) -> None:
-        """One LMDB write transaction: the totals, the current hour, hours closed since
-        the last save; hours past the retention are deleted."""
+    def save(
+        self,
+        write: Callable[[Callable[[Any], None]], None],
+        db: Any,
+        snapshot: list[int],
+        now: float,
+    ) -> None:
+        """One LMDB write transaction through ``write`` (the store's ``IndexEnv.write``,
+        which grows the map and is the path the fault injector sees): the totals, the
+        current hour, hours closed since the last save; hours past the retention are
+        deleted."""
         with self._hours_lock:
             self._sample_locked(snapshot, now)
             self.saved_unix_ns = int(now * 1e9)
@@ -421,17 +427,12 @@ class Telemetry:
             for hour in expired:
                 txn.delete(hour_key(hour), db=db)
 
-        while True:
-            try:
-                with env.begin(write=True) as txn:
-                    body(txn)
-                break
-            except lmdb.MapFullError:
-                env.set_mapsize(env.info()["map_size"] * 2)
-            except BaseException:
-                with self._hours_lock:  # not written: write them next time
-                    self._dirty_hours.update(dirty)
-                raise
+        try:
+            write(body)
+        except BaseException:
+            with self._hours_lock:  # not written: write them next time
+                self._dirty_hours.update(dirty)
+            raise
 
     def as_mapping(self, snapshot: list[int]) -> Mapping[str, int]:
         return {name: snapshot[position] for position, name in enumerate(COUNTER_NAMES)}

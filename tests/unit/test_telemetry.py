@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from kvstore import KVStore
 from kvstore.format.constants import BLOCK_BYTES, record_span
 from kvstore.format.wal import WAL_FILE_HEADER_BYTES
+from kvstore.telemetry import counters as tc
 from kvstore.telemetry import read_snapshot
 from kvstore.telemetry.counters import COUNTER_NAMES, STATE_KEY, TELEMETRY_DB
 from tests.conftest import OpenStore
@@ -262,3 +264,35 @@ def test_throughput_windows_from_the_telemetry_thread(open_store: OpenStore) -> 
     assert rates["puts_per_s"] == pytest.approx(20 / rates["seconds"])
     assert rates["read_bytes_per_s"] == pytest.approx(500_000 / rates["seconds"])
     assert rates["store_write_bytes_per_s"] > rates["host_write_bytes_per_s"]
+
+
+def test_a_failed_counter_save_is_noted_and_retried(
+    open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telemetry writes go through ``IndexEnv.write`` (the path the fault injector
+    sees), whose failures are IOFailure: a checkpoint must not fail for them, the note
+    says why, and the next save writes what the failed one could not."""
+    from kvstore.errors import IOFailure
+    from kvstore.index.lmdb_env import IndexEnv
+
+    store = open_store(telemetry_flush_interval_s=3600)
+    original = IndexEnv.write
+    failing = {"on": True}
+
+    def write(env: IndexEnv, body: Any) -> Any:
+        if failing["on"] and body.__module__ == "kvstore.telemetry.counters":
+            raise IOFailure("LMDB write failed: injected")
+        return original(env, body)
+
+    monkeypatch.setattr(IndexEnv, "write", write)
+    store.put(b"k", b"v" * 100)
+    store.checkpoint()  # saves the counters: fails, noted, the checkpoint stands
+    notes = store.telemetry_snapshot().notes
+    assert any("saving the counters failed" in n and "injected" in n for n in notes), notes
+    failing["on"] = False
+    store.put(b"k2", b"v" * 100)
+    store.checkpoint()
+    store.close()
+    reopened = open_store(create=False)
+    snapshot = reopened.telemetry_snapshot()
+    assert snapshot.values[tc.PUTS] == 2  # both puts counted: the retry wrote them
