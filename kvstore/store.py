@@ -413,23 +413,9 @@ class KVStore:
         self._pending: list[bytes] = []
         self._inflight = 0
         self._freezing = 0
-        self._counters: dict[str, int] = {
-            "puts": 0,
-            "host_bytes_written": 0,
-            "segment_bytes_written": 0,
-            "gets": 0,
-            "hits": 0,
-            "misses": 0,
-            "bytes_read": 0,
-            "deletes": 0,
-            "commits": 0,
-            "checkpoints": 0,
-            "gc_bytes_copied": 0,
-            "gc_pages_moved": 0,
-            "segments_freed": 0,
-            "wal_bytes_written": 0,
-            "stale_reads": 0,  # read-only: records freed by the writer since the view
-        }
+        # A read-only view's reads of records the writer freed since the view (misses);
+        # every other counter of stats() is the telemetry vector's growth since open.
+        self._stale_reads = 0
         self._last_checkpoint = time.monotonic()
         self._wal: WalWriter | None = None
         self._stop = threading.Event()
@@ -444,6 +430,7 @@ class KVStore:
         prev = chain[-1].first_lsn if chain else 0
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
         self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
+        self._tv_at_open = list(self._tv)  # counting for stats() starts once open
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
         self._telemetry_thread = threading.Thread(
@@ -1232,9 +1219,6 @@ class KVStore:
             if puts:
                 # Every page of one put_many call started together: one latency each.
                 started_ns = writes[0].started_ns
-                self._counters["puts"] += puts
-                self._counters["host_bytes_written"] += host
-                self._counters["segment_bytes_written"] += spans
                 tv[tc.PUTS] += puts
                 tv[tc.HOST] += host
                 tv[tc.RECORD_OVERHEAD] += spans - host
@@ -1259,7 +1243,6 @@ class KVStore:
                 self._pending.append(encode_delete(lsn, raw))
                 self._retains.discard(raw)
                 self._policy.on_delete(raw)
-                self._counters["deletes"] += 1
                 self._tv[tc.DELETES] += 1
                 return True
         if lease_needed:
@@ -1334,11 +1317,9 @@ class KVStore:
                 raise
         with self._lock:
             self._durable_lsn = max(self._durable_lsn, lsn_mark)
-            self._counters["commits"] += 1
             self._tv[tc.COMMITS] += 1
             tc.observe(self._tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
             if joined:
-                self._counters["wal_bytes_written"] += len(joined)
                 self._tv[tc.WAL] += len(joined)
 
     def checkpoint(self) -> None:
@@ -1406,7 +1387,6 @@ class KVStore:
             self._last_checkpoint = time.monotonic()
             wchar_after = tc.read_io_wchar()
             with self._lock:
-                self._counters["checkpoints"] += 1
                 self._tv[tc.CHECKPOINTS] += 1
                 if wchar_before is not None and wchar_after is not None:
                     self._tv[tc.INDEX] += wchar_after - wchar_before
@@ -1573,7 +1553,7 @@ class KVStore:
             if not self.readonly or not self._recycled_since_view(entry):
                 raise
         with self._lock:
-            self._counters["stale_reads"] += 1
+            self._stale_reads += 1
         return None
 
     def _recycled_since_view(self, entry: PageEntry) -> bool:
@@ -1751,10 +1731,6 @@ class KVStore:
             for (read_key, _), outcome in zip(wanted, results, strict=True):
                 if outcome is not None:
                     self._policy.on_read(read_key)
-            self._counters["gets"] += len(wanted)
-            self._counters["hits"] += hits
-            self._counters["misses"] += len(wanted) - hits
-            self._counters["bytes_read"] += sum(r for r in results if r is not None)
             tv[tc.GETS] += len(wanted)
             tv[tc.HITS] += hits
             tv[tc.MISSES] += len(wanted) - hits
@@ -1891,15 +1867,11 @@ class KVStore:
             with self._lock:
                 if entry is not None:
                     self._release_reader(entry.segment_id)
-                self._counters["gets"] += 1
                 tv[tc.GETS] += 1
                 if result is None:
-                    self._counters["misses"] += 1
                     tv[tc.MISSES] += 1
                 else:
                     assert entry is not None
-                    self._counters["hits"] += 1
-                    self._counters["bytes_read"] += entry.payload_bytes
                     tv[tc.HITS] += 1
                     tv[tc.READ_BYTES] += entry.payload_bytes
                     self._policy.on_read(raw)
@@ -2164,7 +2136,6 @@ class KVStore:
             except OSError:
                 pass  # its SEGMENT_FREE is durable: the next open removes the orphan file
         with self._lock:
-            self._counters["segments_freed"] += 1
             self._tv[tc.SEGMENTS_FREED] += 1
         tally.segments_freed += 1
         return True
@@ -2486,8 +2457,6 @@ class KVStore:
                     self._failed = error
                 raise error
             segment.dirty = True
-            self._counters["segment_bytes_written"] += span
-            self._counters["gc_bytes_copied"] += span
             self._tv[tc.GC_COPY] += span
             if self._table.get(key) != entry:
                 return  # overwritten or deleted meanwhile: the copy is garbage
@@ -2519,7 +2488,6 @@ class KVStore:
                     ),
                 )
             )
-            self._counters["gc_pages_moved"] += 1
             self._tv[tc.GC_MOVED_PAGES] += 1
         tally.pages_moved += 1
         tally.bytes_moved += span
@@ -2598,12 +2566,38 @@ class KVStore:
             decode_meta(entry.meta),
         )
 
+    def _session_counters(self) -> dict[str, int]:
+        """``StoreStats.counters``: what this open counted, from the one telemetry
+        vector (its growth since open). Caller holds ``_lock``."""
+        now, base = self._tv, self._tv_at_open
+
+        def grown(index: int) -> int:
+            return now[index] - base[index]
+
+        return {
+            "puts": grown(tc.PUTS),
+            "host_bytes_written": grown(tc.HOST),
+            "segment_bytes_written": grown(tc.HOST) + grown(tc.RECORD_OVERHEAD) + grown(tc.GC_COPY),
+            "gets": grown(tc.GETS),
+            "hits": grown(tc.HITS),
+            "misses": grown(tc.MISSES),
+            "bytes_read": grown(tc.READ_BYTES),
+            "deletes": grown(tc.DELETES),
+            "commits": grown(tc.COMMITS),
+            "checkpoints": grown(tc.CHECKPOINTS),
+            "gc_bytes_copied": grown(tc.GC_COPY),
+            "gc_pages_moved": grown(tc.GC_MOVED_PAGES),
+            "segments_freed": grown(tc.SEGMENTS_FREED),
+            "wal_bytes_written": grown(tc.WAL),
+            "stale_reads": self._stale_reads,
+        }
+
     def stats(self) -> StoreStats:
         self._check_open()
         snapshot = self.telemetry_snapshot()
         wear = snapshot.wear_report()
         with self._lock:
-            counters = dict(self._counters)
+            counters = self._session_counters()
             wal_bytes = self._wal.size_bytes if self._wal is not None else 0
             active = self._active.segment_id if self._active is not None else 0
             overlay = len(self._table.active) + len(self._table.frozen or {})
@@ -2710,6 +2704,7 @@ class KVStore:
                 config.max_dwpd or 0.0,
             )
         self._tv = self._telemetry.values  # load() replaced the list
+        self._tv_at_open = list(self._tv)  # stats().counters: the growth since open
         self._drive_capacity, self._capacity_source = resolve_capacity(
             self.root, self._telemetry.wear
         )

@@ -924,3 +924,36 @@ def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVSto
         store.get_many(["good", "bad"])
     assert store.get("good") == b"g" * 100  # nothing was left held or broken
     assert store._segment_readers == {} or not any(store._segment_readers.values())
+
+
+def test_stats_counters_are_this_opens_growth_of_the_telemetry_vector(
+    open_store: OpenStore,
+) -> None:
+    """One set of counters: ``stats().counters`` is what the persisted telemetry
+    vector grew by since this open, so the two can never disagree."""
+    from kvstore.telemetry import counters as tc
+
+    store = open_store(gc_interval_s=0)
+    for i in range(3):
+        store.put(f"k{i}", b"x" * 100)
+    store.close()
+    store = open_store(create=False, gc_interval_s=0)
+    at_open = store.telemetry_snapshot().values
+    assert store.stats().counters["puts"] == 0
+    store.put("k9", b"y" * 50)
+    store.get("k9")
+    store.get("absent")
+    store.flush()
+    counters = store.stats().counters
+    now = store.telemetry_snapshot().values
+
+    def grown(index: int) -> int:
+        return now[index] - at_open[index]
+
+    assert at_open[tc.PUTS] == 3 and now[tc.PUTS] == 4
+    assert counters["puts"] == grown(tc.PUTS) == 1
+    assert counters["host_bytes_written"] == grown(tc.HOST) == 50
+    assert counters["segment_bytes_written"] == record_span(50)
+    assert (counters["gets"], counters["hits"], counters["misses"]) == (2, 1, 1)
+    assert counters["commits"] == grown(tc.COMMITS) >= 1
+    assert counters["wal_bytes_written"] == grown(tc.WAL) > 0
