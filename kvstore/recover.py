@@ -92,7 +92,7 @@ from kvstore.format.wal import (
     iter_records,
     repair_wal_file_header,
 )
-from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
+from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64, open_environment
 from kvstore.index.lmdb_verify import verify_lmdb_file
 from kvstore.index.rules import delete_applies, move_applies, put_applies
 from kvstore.index.table import (
@@ -442,15 +442,7 @@ def _read_index(root: Path, scan: _Scan, report: RecoveryReport) -> None:
         report.notes.append(f"index: damaged B-tree ({problems[0]}); treated as missing")
         return
     try:
-        env = lmdb.open(
-            str(index),
-            readonly=True,
-            lock=False,
-            create=False,
-            subdir=True,
-            max_dbs=8,
-            readahead=False,
-        )
+        env = open_environment(index, readonly=True, lock=False)
     except lmdb.Error as e:
         report.notes.append(f"index: cannot open LMDB ({e}); treated as missing")
         return

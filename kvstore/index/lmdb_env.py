@@ -30,6 +30,7 @@ __all__ = [
     "decode_meta_u64",
     "encode_meta_u64",
     "lmdb_read_errors",
+    "open_environment",
 ]
 
 T = TypeVar("T")
@@ -112,6 +113,34 @@ _LMDB_OPEN_DAMAGE = (*_LMDB_DAMAGE, lmdb.MemoryError, lmdb.InvalidParameterError
 last page or map size so large the map cannot be made)."""
 
 
+def open_environment(
+    path: Path,
+    *,
+    readonly: bool,
+    create: bool = False,
+    lock: bool = True,
+    map_size: int | None = None,
+) -> Any:
+    """The store's LMDB environment (``index/``), configured in this one place: the
+    writer's and the views' ``IndexEnv``, ``kvstore recover`` (read-only, ``lock=False``:
+    no writer may run) and ``kvstore stat`` (read-only beside a writer). Raises
+    ``lmdb.Error``; the callers say what it means for them."""
+    return lmdb.open(
+        str(path),
+        map_size=INITIAL_MAP_BYTES if map_size is None else map_size,
+        max_dbs=8,
+        subdir=True,
+        readonly=readonly,
+        create=create,
+        sync=True,
+        metasync=True,
+        readahead=False,
+        max_readers=256,
+        lock=lock,
+        mode=0o600,
+    )
+
+
 class IndexDamagedError(CorruptionError):
     """The LMDB file's structure is damaged: LMDB itself must not read it.
 
@@ -140,20 +169,7 @@ class IndexEnv:
         self._pin_lock = threading.RLock()
         require_index_files_regular(path)
         try:
-            self.env = lmdb.open(
-                str(path),
-                map_size=INITIAL_MAP_BYTES,
-                max_dbs=8,
-                subdir=True,
-                readonly=readonly,
-                create=create,
-                sync=True,
-                metasync=True,
-                readahead=False,
-                max_readers=256,
-                lock=True,
-                mode=0o600,
-            )
+            self.env = open_environment(path, readonly=readonly, create=create)
         except lmdb.Error as e:
             if "already open in this process" in str(e):
                 raise AlreadyOpenError(f"the store's index {path} is already open here") from e

@@ -22,6 +22,7 @@ import lmdb
 
 from kvstore.errors import AlreadyOpenError, CorruptionError, StoreNotFoundError
 from kvstore.format.names import INDEX_DIR, SUPERBLOCK_NAME
+from kvstore.index.lmdb_env import open_environment
 from kvstore.log.regular import require_regular
 from kvstore.telemetry.counters import (
     COUNTER_NAMES,
@@ -150,14 +151,7 @@ def read_snapshot(
     for name in ("data.mdb", "lock.mdb"):  # LMDB opens them itself: a FIFO would block
         require_regular(root / INDEX_DIR / name)
     try:
-        env = lmdb.open(
-            str(root / INDEX_DIR),
-            readonly=True,
-            max_dbs=8,
-            subdir=True,
-            lock=True,
-            map_size=1 << 30,
-        )
+        env = open_environment(root / INDEX_DIR, readonly=True)
     except lmdb.Error as e:
         if "already open in this process" in str(e):
             raise AlreadyOpenError(
