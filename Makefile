@@ -18,7 +18,7 @@ VENV_INTEG ?= .venv-integ
 # and transformers from source again (twice their import time), so make unsets it.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test lint typecheck unit engines test-bindings integ bench bench-full torture clean
+.PHONY: run test lint typecheck unit crash engines test-bindings integ bench bench-full torture clean
 
 # The io_uring binding (liburing 2024.5.3) is built from its sdist: it needs a C
 # compiler and the Python headers. tools/check_toolchain.sh says so, and how to get
@@ -59,15 +59,21 @@ typecheck: $(BIN)/.dev-installed
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
+# Suites by marker (tests/conftest.py marks each by its folder).
 unit: $(BIN)/.dev-installed
-	$(BIN)/pytest -q -x --timeout=600 $(XDIST)
+	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m unit
+
+# Crash loops, power loss, EIO and the property machines, on io_uring where the probe
+# passes (`engines` runs them again on the fallback engine).
+crash: $(BIN)/.dev-installed
+	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m crash
 
 # The crash, power-loss, EIO and property suites once more on the fallback engine
-# (`unit` ran them on io_uring, the default where the probe passes).
+# (`crash` ran them on io_uring, the default where the probe passes).
 ENGINE_SUITES := tests/crash tests/property tests/reliability/test_powerloss.py \
 	tests/reliability/test_io_errors.py tests/reliability/test_torn_writes.py \
 	tests/reliability/test_faults.py
-# The tier manager's crash and property suites run once, in `unit`: what they torture
+# The tier manager's crash and property suites run once, in `crash`: what they torture
 # is the manager above the store, and the store's own suites cover each engine here.
 ENGINE_SKIP := --ignore=tests/crash/test_kill9_tiering.py \
 	--ignore=tests/property/test_tiering_stateful.py
@@ -88,7 +94,7 @@ integ:
 	PYTHON=$(PYTHON) VENV_INTEG=$(VENV_INTEG) TORCH=$(TORCH) tools/setup_integ_env.sh
 	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 $(XDIST) tests/integrations
 
-test: lint typecheck unit engines test-bindings integ
+test: lint typecheck unit crash engines test-bindings integ
 
 bench: $(BIN)/.dev-installed
 	$(BIN)/pytest benches --benchmark-only -q

@@ -80,6 +80,30 @@ def direct_io_supported(tmp_path_factory: pytest.TempPathFactory) -> bool:
     return probe_direct_io(tmp_path_factory.mktemp("direct-probe"))
 
 
+# Suites by folder: `make unit` runs `-m unit`, `make crash` `-m crash` (crash loops,
+# power loss, EIO, property machines), `make integ` the engines in their own venv.
+_SUITE_MARKS = {
+    "unit": "unit",
+    "gpu": "unit",
+    "crash": "crash",
+    "property": "crash",
+    "reliability": "crash",
+    "integrations": "integ",
+}
+_TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            suite = Path(str(item.fspath)).resolve().relative_to(_TESTS_DIR).parts[0]
+        except ValueError:  # outside tests/ (benches)
+            continue
+        mark = _SUITE_MARKS.get(suite)
+        if mark is not None:
+            item.add_marker(getattr(pytest.mark, mark))
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     """Which engine and binding this run exercises (CI reruns suites per engine)."""
     kind, binding, source = resolve_choice()
