@@ -157,7 +157,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["KVStore"]
+__all__ = ["KVStore", "StoreInternals"]
 
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
 # A read-only open takes a new view this many times while the writer's checkpoints
@@ -2866,10 +2866,47 @@ class KVStore:
         with self._lock:
             return {k: dataclasses.replace(v) for k, v in self._segment_states.items()}
 
+    @property
+    def internals(self) -> StoreInternals:
+        """Typed access to internal state for fsck and the test harnesses (what they
+        read through private attributes before). Not a stable API."""
+        return StoreInternals(self)
+
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writer"
         state = "closed" if self._closed else "open"
         return f"<KVStore {str(self.root)!r} {mode} {state}>"
+
+
+class StoreInternals:
+    """What fsck and kvstore.testing may see of a ``KVStore``'s internals, typed, each
+    read under the store's lock (``KVStore.internals``). It grows as the private
+    accesses it replaces go (tests/unit/test_layering.py counts those)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+
+    def spare_segment(self) -> tuple[int, Path] | None:
+        """The segment the prepare thread made ahead (id, file), or None."""
+        store = self._store
+        with store._cond:
+            spare = store._spare
+            return None if spare is None else (spare.segment_id, spare.path)
+
+    def wait_for_spare(self, timeout_s: float) -> tuple[int, Path] | None:
+        """Wait until a spare segment is ready and none is being made; None at the
+        timeout. A test that wants the next segment to be a spare waits here."""
+        store = self._store
+        deadline = time.monotonic() + timeout_s
+        with store._cond:
+            while store._spare is None or store._preparing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                store._cond.wait(min(left, 0.05))
+            return store._spare.segment_id, store._spare.path
 
 
 def _check_config(config: StoreConfig, *, probe_engine: bool) -> None:

@@ -192,10 +192,8 @@ def _serve_one(store: KVStore, op: str, args: dict[str, Any]) -> dict[str, Any]:
         infos = [store.info(key) for key in args["keys"]]
         return {"segments": [None if info is None else info.segment_id for info in infos]}
     elif op == "spare":
-        deadline = time.monotonic() + 10
-        while store._spare is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return {"spare": None if store._spare is None else store._spare.segment_id}
+        spare = store.internals.wait_for_spare(10)
+        return {"spare": None if spare is None else spare[0]}
     elif op == "no_spare":
         _stop_spares(store)
     elif op == "stats":

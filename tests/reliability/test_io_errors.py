@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -162,10 +161,7 @@ def test_checkpoint_wal_unlink_failure_is_a_kvstore_error(tmp_path: Path) -> Non
 
 
 def _wait_for_spare(store: KVStore) -> None:
-    deadline = time.monotonic() + 10
-    while store._spare is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store._spare is not None
+    assert store.internals.wait_for_spare(10) is not None
 
 
 def test_close_releases_the_writer_lock_when_cleanup_fails(tmp_path: Path) -> None:
@@ -239,8 +235,9 @@ def test_failed_recycle_leaves_no_orphan_file(tmp_path: Path) -> None:
             store.gc()
             assert injector.failed, "GC never recycled a segment"
             known = {f"{segment_id:016x}.seg" for segment_id in store.segment_states()}
-            if store._spare is not None:
-                known.add(store._spare.path.name)
+            spare = store.internals.spare_segment()
+            if spare is not None:
+                known.add(spare[1].name)
             on_disk = {name for name in os.listdir(path / "segments") if name.endswith(".seg")}
             assert on_disk <= known
         finally:

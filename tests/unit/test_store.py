@@ -957,3 +957,16 @@ def test_stats_counters_are_this_opens_growth_of_the_telemetry_vector(
     assert (counters["gets"], counters["hits"], counters["misses"]) == (2, 1, 1)
     assert counters["commits"] == grown(tc.COMMITS) >= 1
     assert counters["wal_bytes_written"] == grown(tc.WAL) > 0
+
+
+def test_internals_report_the_prepared_spare_segment(open_store: OpenStore) -> None:
+    """``KVStore.internals``: the typed view tests and tools use instead of private
+    attributes. The prepare thread makes the next segment file ahead of the writer."""
+    store = open_store(gc_interval_s=0)
+    store.put("a", b"x", sync=True)  # leases LSNs: a spare needs ids to take
+    spare = store.internals.wait_for_spare(20)
+    assert spare is not None
+    segment_id, path = spare
+    assert path.exists() and path.parent.name == "segments"
+    assert segment_id not in store.segment_states()  # made ahead, not in use yet
+    assert store.internals.spare_segment() == spare

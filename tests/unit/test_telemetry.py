@@ -48,13 +48,7 @@ def wal_bytes_on_disk(root: Path) -> int:
 
 def wait_for_spare(store: KVStore) -> None:
     """The prepare thread makes the next segment file in the background; wait for it."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with store._cond:
-            if store._spare is not None and not store._preparing:
-                return
-        time.sleep(0.01)
-    raise AssertionError("no spare segment was prepared")
+    assert store.internals.wait_for_spare(20) is not None, "no spare segment was prepared"
 
 
 def put_wal_bytes(key: bytes, meta: dict[str, object] | None) -> int:
