@@ -74,14 +74,11 @@ from kvstore.format.names import (
 from kvstore.format.records import (
     RecordHeader,
     Superblock,
-    block_is_sealed,
     decode_record_header,
     decode_superblock,
     encode_record_fields_into,
     encode_record_header_into,
     encode_superblock,
-    entry_mismatches,
-    record_header_prefix,
 )
 from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
@@ -132,6 +129,7 @@ from kvstore.io.files import (
     write_file_durably,
 )
 from kvstore.log.regular import read_regular, require_regular
+from kvstore.log.segment_reader import verify_record
 from kvstore.log.segments import (
     Segment,
     create_segment,
@@ -634,7 +632,9 @@ class KVStore:
             except OSError:
                 return False
             try:
-                self._verify(key, entry, buffer.view, result)
+                verify_record(
+                    key, entry, buffer.view, result, max_page_bytes=self.config.max_page_bytes
+                )
             except KVStoreError:
                 return False
             return True
@@ -1482,61 +1482,6 @@ class KVStore:
             return None
         return view
 
-    def _verify(
-        self,
-        key: bytes,
-        entry: PageEntry,
-        view: memoryview,
-        result: int,
-        payload: memoryview | None = None,
-    ) -> memoryview:
-        """Check a record read; return its payload (``payload`` if it was read there).
-
-        ``view`` starts with the record's header block; the payload follows it in
-        ``view`` unless it was read straight into ``payload`` (the caller's memory).
-        """
-
-        def where() -> str:  # only formatted on the error paths
-            return f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
-
-        if result != entry.span_bytes:
-            if result < 0:
-                raise IOFailure(f"read of {where()} failed", -result)
-            raise CorruptionError(f"{where()}: short read ({result} of {entry.span_bytes} bytes)")
-        # Fast path: the header must be byte for byte what the writer sealed for
-        # this entry. Anything else is decoded field by field for a precise error.
-        expected = record_header_prefix(
-            RECORD_PAGE,
-            key,
-            entry.meta,
-            entry.payload_bytes,
-            entry.lsn,
-            entry.segment_id,
-            entry.offset,
-            entry.generation,
-            entry.payload_checksum,
-        )
-        if payload is None:
-            payload = view[BLOCK_BYTES : BLOCK_BYTES + entry.payload_bytes]
-        if view[: len(expected)] == expected and block_is_sealed(view):
-            if checksum(payload) != entry.payload_checksum:
-                raise CorruptionError(f"{where()}: payload checksum mismatch")
-            return payload
-        try:
-            header = decode_record_header(view, max_page_bytes=self.config.max_page_bytes)
-        except CorruptionError as e:
-            raise CorruptionError(f"{where()}: {e}") from None
-        mismatched = entry_mismatches(header, key, entry)
-        if mismatched:
-            raise CorruptionError(
-                f"{where()}: the record there is not this page ({', '.join(mismatched)}; "
-                f"it says key {header.key!r}, segment {header.segment_id}, offset "
-                f"{header.offset}, lsn {header.lsn})"
-            )
-        if checksum(payload) != entry.payload_checksum:
-            raise CorruptionError(f"{where()}: payload checksum mismatch")
-        return payload
-
     def _checked(
         self,
         key: bytes,
@@ -1545,10 +1490,12 @@ class KVStore:
         result: int,
         payload: memoryview | None = None,
     ) -> memoryview | None:
-        """``_verify``, but for a read-only view a record the live writer has freed
+        """``verify_record``, but for a read-only view a record the live writer has freed
         and reused since the view was taken is a miss (None), not corruption."""
         try:
-            return self._verify(key, entry, view, result, payload)
+            return verify_record(
+                key, entry, view, result, payload, max_page_bytes=self.config.max_page_bytes
+            )
         except CorruptionError:
             if not self.readonly or not self._recycled_since_view(entry):
                 raise
@@ -2401,7 +2348,13 @@ class KVStore:
                     complete = complete and self._table.get(header.key) != entry
                 continue
             try:
-                self._verify(header.key, entry, record, entry.span_bytes)
+                verify_record(
+                    header.key,
+                    entry,
+                    record,
+                    entry.span_bytes,
+                    max_page_bytes=self.config.max_page_bytes,
+                )
             except CorruptionError:
                 complete = False  # leave it for fsck; never copy bad bytes forward
                 continue

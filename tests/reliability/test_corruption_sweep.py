@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import kvstore.check as check_module
-from kvstore import KVStore
+import kvstore.store as store_module
 from kvstore.format.constants import BLOCK_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_a_damaged_last_wal_record_is_undone_not_cut(pristine: Pristine, tmp_pat
 
 
 def _verify_without_checksums(
-    self: Any, key: bytes, entry: Any, view: Any, result: int, payload: Any = None
+    key: bytes, entry: Any, view: Any, result: int, payload: Any = None, **_: Any
 ) -> Any:
     if payload is not None:  # read straight into the caller's memory
         return payload
@@ -144,7 +144,7 @@ def test_harness_counts_wrong_reads_when_verification_is_off(
 ) -> None:
     """Switch off every payload and header check; payload flips must now be counted
     as wrong reads, and nothing detected. Proves the sweep can see a wrong read."""
-    monkeypatch.setattr(KVStore, "_verify", _verify_without_checksums)
+    monkeypatch.setattr(store_module, "verify_record", _verify_without_checksums)
     monkeypatch.setattr(check_module, "_record_problem", lambda *args: None)
     regions = sweep.map_regions(pristine.root)
     injections = sweep.plan(regions, 25, seed=9, run_fraction=0.0, only={"payload"})

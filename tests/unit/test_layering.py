@@ -217,7 +217,7 @@ def _private_store_names() -> set[str]:
 
 def _private_uses() -> Counter[str]:
     names = _private_store_names()
-    assert {"_lock", "_table", "_segments", "_verify"} <= names  # the scan found the class
+    assert {"_lock", "_table", "_segments", "_hold"} <= names  # the scan found the class
     alternatives = "|".join(sorted(names, key=len, reverse=True))
     pattern = re.compile(rf"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.({alternatives})\b")
     uses: Counter[str] = Counter()
