@@ -18,7 +18,7 @@ VENV_INTEG ?= .venv-integ
 # and transformers from source again (twice their import time), so make unsets it.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test lint typecheck unit crash engines test-bindings integ bench bench-full torture clean
+.PHONY: run test lint typecheck unit crash unit-and-crash engines test-bindings integ bench bench-full torture clean
 
 # The io_uring binding (liburing 2024.5.3) is built from its sdist: it needs a C
 # compiler and the Python headers. tools/check_toolchain.sh says so, and how to get
@@ -68,6 +68,11 @@ unit: $(BIN)/.dev-installed
 crash: $(BIN)/.dev-installed
 	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m crash
 
+# Both in one session for `make test`: the workers share out the long crash loops
+# with the unit tests (two sessions take about a minute longer on 2 cores).
+unit-and-crash: $(BIN)/.dev-installed
+	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m "unit or crash"
+
 # The crash, power-loss, EIO and property suites once more on the fallback engine
 # (`crash` ran them on io_uring, the default where the probe passes).
 ENGINE_SUITES := tests/crash tests/property tests/reliability/test_powerloss.py \
@@ -94,7 +99,7 @@ integ:
 	PYTHON=$(PYTHON) VENV_INTEG=$(VENV_INTEG) TORCH=$(TORCH) tools/setup_integ_env.sh
 	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 $(XDIST) tests/integrations
 
-test: lint typecheck unit crash engines test-bindings integ
+test: lint typecheck unit-and-crash engines test-bindings integ
 
 bench: $(BIN)/.dev-installed
 	$(BIN)/pytest benches --benchmark-only -q
