@@ -77,7 +77,6 @@ from kvstore.log.regular import read_regular
 from kvstore.log.wal import list_wal_files, read_wal_chain
 
 if TYPE_CHECKING:
-    from kvstore.log.segments import Segment
     from kvstore.store import KVStore
 
 __all__ = ["FINDING_KINDS", "Finding", "Findings", "Progress", "check_path", "check_store"]
@@ -350,7 +349,7 @@ def _txnid(env: IndexEnv) -> int | None:
 
 def _check_index_values(run: _Run) -> set[bytes]:
     store = run.store
-    findings, bad_page_keys = _scan_index(store._env, store.root)
+    findings, bad_page_keys = _scan_index(store.internals.env, store.root)
     overlay = _overlay(store)
     for finding in findings:
         key = finding.key
@@ -373,8 +372,8 @@ def _check_index_values(run: _Run) -> set[bytes]:
 def _drop_index_value(run: _Run, key: bytes, finding: Finding) -> Finding:
     """Remove an undecodable page-table value from LMDB (its page cannot be located)."""
     store = run.store
-    env = store._env
-    with _writers_held(store):
+    env = store.internals.env
+    with store.internals.writers_frozen():
         if key in _overlay(store):
             return finding
 
@@ -393,9 +392,7 @@ def _drop_index_value(run: _Run, key: bytes, finding: Finding) -> Finding:
         except KVStoreError as e:
             return _replace(finding, message=f"{finding.message}; repair failed: {e}")
         if removed:
-            with store._lock:
-                store._table.page_count -= 1
-                store._retains.discard(key)
+            store.internals.forget_index_value(key)
     return _replace(finding, message=f"{finding.message}; entry removed", repaired=removed)
 
 
@@ -406,11 +403,7 @@ def _replace(finding: Finding, **changes: Any) -> Finding:
 
 
 def _overlay(store: KVStore) -> dict[bytes, PageEntry | Tombstone]:
-    table = store._table
-    with store._lock:
-        merged: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
-        merged.update(table.active)
-    return merged
+    return store.internals.overlay()
 
 
 def _live_entries(store: KVStore) -> Iterator[tuple[bytes, PageEntry]]:
@@ -419,7 +412,7 @@ def _live_entries(store: KVStore) -> Iterator[tuple[bytes, PageEntry]]:
     A damaged LMDB tree raises ``CorruptionError`` (``_scan_index`` reports it).
     """
     overlay = _overlay(store)
-    env = store._env
+    env = store.internals.env
     with env.read() as txn, lmdb_read_errors(env.path):
         for raw_key, raw_value in txn.cursor(db=env.pages):
             key = bytes(raw_key)
@@ -435,36 +428,12 @@ def _live_entries(store: KVStore) -> Iterator[tuple[bytes, PageEntry]]:
             yield key, slot
 
 
-@contextlib.contextmanager
-def _writers_held(store: KVStore) -> Iterator[None]:
-    """Hold GC and new writes still (as ``gc(full=True)`` does) on a writable store."""
-    if store.readonly:
-        yield
-        return
-    with store._gc_lock:
-        with store._cond:
-            store._freezing += 1
-            while store._inflight:
-                store._cond.wait()
-        try:
-            yield
-        finally:
-            with store._cond:
-                store._freezing -= 1
-                store._cond.notify_all()
-
-
 # -- segments and records -----------------------------------------------------------
 
 
 def _check_segment_headers(run: _Run) -> None:
     store = run.store
-    with store._lock:
-        segments = [
-            (segment_id, segment, store._segment_states.get(segment_id))
-            for segment_id, segment in store._segments.items()
-        ]
-    for segment_id, segment, state in segments:
+    for segment_id, segment, state in store.internals.segments():
         path = str(segment.path)
         if state is None:
             run.add(
@@ -477,7 +446,7 @@ def _check_segment_headers(run: _Run) -> None:
             continue
         # Read as a registered reader, as a get does: GC may not free (close, or
         # reuse) the segment's descriptor under the read.
-        if not _hold_segment(store, segment_id, segment):
+        if not store.internals.hold_segment(segment_id, segment):
             continue  # freed since the listing: no longer the store's
         try:
             header = _read_segment_header(segment.fd)
@@ -485,8 +454,7 @@ def _check_segment_headers(run: _Run) -> None:
                 time.sleep(0.001)  # a live writer may be rewriting it (recycle_segment)
                 header = _read_segment_header(segment.fd)
         finally:
-            with store._lock:
-                store._release_reader(segment_id)
+            store.internals.release_segment(segment_id)
         if isinstance(header, str):
             run.add("error", "segment-header", header, path=path, segment_id=segment_id)
             continue
@@ -627,16 +595,6 @@ def _rewrite_segment_header(store: KVStore, segment_id: int) -> None:
     )
 
 
-def _hold_segment(store: KVStore, segment_id: int, segment: Segment) -> bool:
-    """Register a read of ``segment`` if it is still the store's (release with
-    ``store._release_reader`` under the store lock)."""
-    with store._lock:
-        if store._segments.get(segment_id) is not segment:
-            return False
-        store._segment_readers[segment_id] += 1
-    return True
-
-
 def _read_segment_header(fd: int) -> SegmentHeader | str:
     """The decoded header block of a segment, or why it cannot be had."""
     block = AlignedBuffer(BLOCK_BYTES)
@@ -731,7 +689,7 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
     del bad_page_keys  # reported (and repaired) by _check_index_values
     for key, entry, finding in to_delete:
         repaired = False
-        if run.repair and store._table.get(key) == entry:
+        if run.repair and store.internals.entry(key) == entry:
             try:
                 repaired = store.delete(key)
             except KVStoreError as e:
@@ -743,7 +701,7 @@ def _record_finding(run: _Run, kind: str, message: str, where: dict[str, Any]) -
     """A finding for a bad record, unless the entry changed meanwhile (a live writer)."""
     key = where["key"]
     try:
-        current = run.store._table.get(key)
+        current = run.store.internals.entry(key)
     except KVStoreError:  # the entry itself is implausible: this finding stands
         return Finding("error", kind, message, **where)
     if current is None or (current.segment_id, current.offset) != (
@@ -845,7 +803,7 @@ def _record_problem(
 
 def _check_accounting(run: _Run) -> None:
     store = run.store
-    with _writers_held(store):
+    with store.internals.writers_frozen():
         live: Counter[int] = Counter()
         pages: Counter[int] = Counter()
         try:
@@ -884,7 +842,7 @@ def _check_files(run: _Run) -> None:
         TIERING_STATS_NAME,
         TIERING_STATS_TMP_NAME,
     }
-    with _writers_held(store), store._cond:
+    with store.internals.writers_frozen(), store._cond:
         while store._preparing:
             store._cond.wait()
         spare = store._spare
@@ -1050,7 +1008,7 @@ def _check_retains(run: _Run) -> None:
         retained = sorted(store._retains)
     for key in retained:
         try:
-            live = store._table.get(key) is not None
+            live = store.internals.entry(key) is not None
         except KVStoreError:
             continue  # an undecodable entry or a damaged tree, reported by the index scan
         if live:

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -110,6 +111,7 @@ from kvstore.index.table import (
     META_NEXT_SEGMENT,
     META_PAGE_COUNT,
     SegmentState,
+    Tombstone,
 )
 from kvstore.inputs import (
     check_fits,
@@ -1329,43 +1331,51 @@ class KVStore:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
         self._checkpoint()
 
+    @contextlib.contextmanager
+    def _writers_frozen(self) -> Iterator[None]:
+        """The writer barrier, the one copy: no reservation is in flight inside, and
+        none starts until the block ends (writers wait in ``_reserve``). Checkpoint,
+        mark-and-sweep and fsck's repairs hold it; a writer holding reservations must
+        drain them before it waits here, or the freeze would wait for it."""
+        with self._cond:
+            self._freezing += 1
+            while self._inflight:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._freezing -= 1
+                self._cond.notify_all()
+
     def _checkpoint(self) -> None:
         assert self._wal is not None
         with self._checkpoint_lock:
-            with self._commit_lock:
-                with self._cond:
-                    self._freezing += 1
-                    while self._inflight:
-                        self._cond.wait()
+            with self._commit_lock, self._writers_frozen():
+                self._commit_locked()
+                with self._lock:
+                    frozen = self._table.freeze()
+                    segments = {
+                        segment_id: dataclasses.replace(state)
+                        for segment_id, state in self._segment_states.items()
+                    }
+                    first_lsn = self._take_lsn()
+                    meta = {
+                        META_CHECKPOINT_LSN: first_lsn,
+                        META_LSN_LEASE: max(self._lease_until, self._next_lsn),
+                        META_PAGE_COUNT: self._table.page_count,
+                        META_NEXT_SEGMENT: self._next_segment_id,
+                    }
+                    dropped, self._dropped_segments = self._dropped_segments, []
+                    retains = set(self._retains)
                 try:
-                    self._commit_locked()
+                    self._wal.rotate(first_lsn)
+                except KVStoreError as e:
                     with self._lock:
-                        frozen = self._table.freeze()
-                        segments = {
-                            segment_id: dataclasses.replace(state)
-                            for segment_id, state in self._segment_states.items()
-                        }
-                        first_lsn = self._take_lsn()
-                        meta = {
-                            META_CHECKPOINT_LSN: first_lsn,
-                            META_LSN_LEASE: max(self._lease_until, self._next_lsn),
-                            META_PAGE_COUNT: self._table.page_count,
-                            META_NEXT_SEGMENT: self._next_segment_id,
-                        }
-                        dropped, self._dropped_segments = self._dropped_segments, []
-                        retains = set(self._retains)
-                    try:
-                        self._wal.rotate(first_lsn)
-                    except KVStoreError as e:
-                        with self._lock:
-                            self._table.thaw(frozen)
-                        raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
-                    with self._lock:
-                        self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
-                finally:
-                    with self._cond:
-                        self._freezing -= 1
-                        self._cond.notify_all()
+                        self._table.thaw(frozen)
+                    raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
+                with self._lock:
+                    self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
             wchar_before = tc.read_io_wchar()
             try:
                 self._table.commit_frozen(frozen, segments, dropped, meta, retains)
@@ -2447,11 +2457,7 @@ class KVStore:
 
     def _mark_and_sweep(self, tally: GCTally) -> None:
         """Recompute live bytes per segment from the page table; fix and count drift."""
-        with self._cond:
-            self._freezing += 1  # hold writers still so the sweep sees one state
-            while self._inflight:
-                self._cond.wait()
-        try:
+        with self._writers_frozen():  # writers held still: the sweep sees one state
             live: Counter[int] = Counter()
             pages: Counter[int] = Counter()
             for _, entry in self._table.items():
@@ -2467,10 +2473,6 @@ class KVStore:
                         tally.drift_bytes += abs(state.live_bytes - live[segment_id])
                         state.live_bytes = live[segment_id]
                         state.live_pages = pages[segment_id]
-        finally:
-            with self._cond:
-                self._freezing -= 1
-                self._cond.notify_all()
 
     def check(
         self,
@@ -2840,6 +2842,66 @@ class StoreInternals:
 
     def __init__(self, store: KVStore) -> None:
         self._store = store
+
+    @contextlib.contextmanager
+    def writers_frozen(self) -> Iterator[None]:
+        """GC and new writes held still (as ``gc(full=True)`` holds them), on a
+        writable store; nothing to hold on a read-only one."""
+        store = self._store
+        if store.readonly:
+            yield
+            return
+        with store._gc_lock, store._writers_frozen():
+            yield
+
+    @property
+    def env(self) -> IndexEnv:
+        """The store's LMDB environment (write through ``IndexEnv.write`` only)."""
+        return self._store._env
+
+    def overlay(self) -> dict[bytes, PageEntry | Tombstone]:
+        """The page-table changes not yet checkpointed (frozen ones included), a copy."""
+        store = self._store
+        table = store._table
+        with store._lock:
+            merged: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
+            merged.update(table.active)
+        return merged
+
+    def entry(self, key: bytes) -> PageEntry | None:
+        """The page table's live entry for ``key`` (overlay, then LMDB)."""
+        return self._store._table.get(key)
+
+    def forget_index_value(self, key: bytes) -> None:
+        """fsck removed ``key``'s undecodable LMDB value: count the page gone."""
+        store = self._store
+        with store._lock:
+            store._table.page_count -= 1
+            store._retains.discard(key)
+
+    def segments(self) -> list[tuple[int, Segment, SegmentState | None]]:
+        """The open segment files with their accounting (None: not in the table)."""
+        store = self._store
+        with store._lock:
+            return [
+                (segment_id, segment, store._segment_states.get(segment_id))
+                for segment_id, segment in store._segments.items()
+            ]
+
+    def hold_segment(self, segment_id: int, segment: Segment) -> bool:
+        """Register a read of ``segment`` if it is still the store's, as a get does:
+        GC may not close or reuse its file meanwhile. Pair with ``release_segment``."""
+        store = self._store
+        with store._lock:
+            if store._segments.get(segment_id) is not segment:
+                return False
+            store._segment_readers[segment_id] += 1
+        return True
+
+    def release_segment(self, segment_id: int) -> None:
+        store = self._store
+        with store._lock:
+            store._release_reader(segment_id)
 
     def spare_segment(self) -> tuple[int, Path] | None:
         """The segment the prepare thread made ahead (id, file), or None."""

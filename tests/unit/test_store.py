@@ -970,3 +970,24 @@ def test_internals_report_the_prepared_spare_segment(open_store: OpenStore) -> N
     assert path.exists() and path.parent.name == "segments"
     assert segment_id not in store.segment_states()  # made ahead, not in use yet
     assert store.internals.spare_segment() == spare
+
+
+def test_internals_writers_frozen_holds_a_put_until_it_ends(open_store: OpenStore) -> None:
+    """The one writer barrier (checkpoint, mark-and-sweep and fsck use it): a put
+    started inside waits until the block ends, then lands."""
+    store = open_store(gc_interval_s=0)
+    store.put("before", b"1")
+    done = threading.Event()
+
+    def writer() -> None:
+        store.put("during", b"2")
+        done.set()
+
+    with store.internals.writers_frozen():
+        thread = threading.Thread(target=writer)
+        thread.start()
+        assert not done.wait(0.3), "a put went through the freeze"
+        assert store.internals.entry(b"during") is None
+    thread.join(10)
+    assert done.is_set() and store.get("during") == b"2"
+    assert set(store.internals.overlay()) >= {b"before", b"during"}
