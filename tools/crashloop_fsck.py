@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""tools/crashloop.py, plus fsck after every recovery.
+"""The kill -9 loop (kvstore.testing.crashloop), plus fsck after every recovery.
 
-Runs the kill -9 loop of tools/crashloop.py unchanged (same options, same
+Runs the kill -9 loop of kvstore.testing.crashloop unchanged (same options, same
 oracle), and after the parent has reopened the store and checked it against
 the oracle in each cycle, runs ``store.check()`` (``--fsck-deep``: with
 payload checksums) on that recovered store. Any finding is a violation: it
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import sys
@@ -37,13 +36,9 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _load_crashloop() -> Any:
-    spec = importlib.util.spec_from_file_location("crashloop", _HERE / "crashloop.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit("cannot load tools/crashloop.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["crashloop"] = module
-    spec.loader.exec_module(module)
-    return module
+    from kvstore.testing import crashloop
+
+    return crashloop
 
 
 def main(argv: list[str] | None = None) -> int:

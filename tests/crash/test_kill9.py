@@ -1,4 +1,4 @@
-"""kill -9 crash loop (tools/crashloop.py) inside pytest: 30+ cycles, zero violations.
+"""kill -9 crash loop (kvstore/testing/crashloop.py) inside pytest: 30+ cycles, zero violations.
 
 Each cycle a child process writes to the store (sync puts, batches, flushes,
 deletes, checkpoints) and reports every acknowledged operation; the test
@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_tool
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "crashloop.py"
-
-
-crashloop = load_tool("crashloop")
+from kvstore.testing import crashloop
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """kill -9 crash loop in space mode: capacity-bounded eviction, GC, retains and pins.
 
-Each cycle the child (tools/crashloop.py) writes far more than the capacity, so
+Each cycle the child (kvstore/testing/crashloop.py) writes far more than the capacity, so
 eviction runs inside puts and in gc(); it also retains and releases keys (each
 acknowledged after a flush), pins pages and deletes pinned pages. The parent
 SIGKILLs it, reopens the store and checks: no wrong bytes, no resurrected
@@ -21,13 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import load_tool
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "crashloop.py"
-
-
-crashloop = load_tool("crashloop")
-
+from kvstore.testing import crashloop
 
 # -- the oracle's rules, on synthetic lines ---------------------------------------
 

@@ -1,6 +1,6 @@
 """kill -9 crash loop with concurrent writer threads and a 1 ms flusher (issue 13).
 
-Each cycle the child (tools/crashloop.py --threads 4) runs four writer threads
+Each cycle the child (kvstore/testing/crashloop.py --threads 4) runs four writer threads
 on disjoint shares of the keys: thread 0 the plain mix (sync puts, batches,
 flushes, deletes, churn, checkpoints, GC), threads 1-3 put_many of 2-7 keys
 (fresh keys half the time), put(sync=True), plain puts, deletes, flush() and
@@ -28,13 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import load_tool
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "crashloop.py"
-
-
-crashloop = load_tool("crashloop")
-
+from kvstore.testing import crashloop
 
 # -- the oracle's rules for concurrent acknowledgements, on synthetic lines -----------
 

@@ -1,6 +1,6 @@
 """Resources a long-lived process must get back: memory maps across store opens.
 
-Found by the kill -9 loop (tools/crashloop.py): its parent process opens the
+Found by the kill -9 loop (kvstore/testing/crashloop.py): its parent process opens the
 store once per cycle and died after ~590 cycles with ENOMEM from
 ``mmap.mmap``: vm.max_map_count (65530) was used up. The liburing binding's
 ``Iovec`` takes a buffer export on every item it is given and never releases
