@@ -14,7 +14,6 @@ read would prove nothing).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,7 @@ import pytest
 import kvstore.check as check_module
 import kvstore.store as store_module
 from kvstore.format.constants import BLOCK_BYTES
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import corruption_sweep as sweep  # noqa: E402
+from kvstore.testing import corruption as sweep
 
 # Structural LMDB bytes that no read depends on (LMDB keeps no checksums): see the
 # classification in docs/reliability.md. Everything else must be detected.

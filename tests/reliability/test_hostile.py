@@ -74,12 +74,10 @@ from kvstore.format.wal import (
 )
 from kvstore.index.lmdb_env import IndexEnv, decode_meta_u64, encode_meta_u64
 from kvstore.index.table import META_CHECKPOINT_LSN, META_LSN_LEASE, META_NEXT_SEGMENT
+from kvstore.testing import corruption as sweep
 from tests.conftest import run_in_child
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import corruption_sweep as sweep  # noqa: E402
 
 U64 = st.one_of(
     st.integers(0, 2**64 - 1),

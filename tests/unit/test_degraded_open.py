@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,8 @@ from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
 from kvstore.format.wal import iter_records
 from kvstore.recover import recover_store
+from kvstore.testing import corruption as sweep
 from tests.conftest import SMALL_MAX_PAGE_BYTES, SMALL_SEGMENT_BYTES
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-
-import corruption_sweep as sweep  # noqa: E402
 
 OPTIONS: dict[str, Any] = {
     "segment_bytes": SMALL_SEGMENT_BYTES,

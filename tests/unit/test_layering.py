@@ -185,7 +185,6 @@ PRIVATE_ALLOWANCE = {
     "tests/unit/test_check.py": 3,
     "tests/unit/test_single_read.py": 2,
     "tools/get_latency.py": 2,
-    "tools/corruption_sweep.py": 2,
     "tests/unit/test_inputs.py": 1,
     "tests/unit/test_readonly_view.py": 1,
 }
