@@ -7,12 +7,9 @@ and pages up to 256 KiB.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,8 +18,6 @@ from kvstore import KVStore
 from kvstore.io.engine import resolve_choice
 from kvstore.io.files import probe_direct_io
 from kvstore.io.probe import probe_uring
-
-TOOLS_DIR = Path(__file__).resolve().parents[1] / "tools"
 
 SMALL_SEGMENT_BYTES = 1 << 20
 SMALL_MAX_PAGE_BYTES = 256 << 10
@@ -125,20 +120,6 @@ def engine_kind(request: pytest.FixtureRequest, io_uring_supported: bool) -> str
     if kind == "io_uring" and not io_uring_supported:
         pytest.skip(f"io_uring is unusable here: {probe_uring(resolve_choice()[1]).reason}")
     return kind
-
-
-def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a module, loaded once and shared by every test file
-    (as ``kvstore_tools_<name>``)."""
-    module_name = f"kvstore_tools_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, TOOLS_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_in_child(body: Callable[[], str]) -> str:

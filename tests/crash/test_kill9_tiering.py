@@ -1,7 +1,7 @@
 """kill -9 of the tier manager: acknowledged NVMe pages, the statistics file, the hit
 rate after a restart (../TIERING.md, "Restart").
 
-The workloads run in processes forked from one zygote (tools/tier_crash.py: importing
+The workloads run in processes forked from one zygote (kvstore/testing/tier_crash.py: importing
 torch per cycle would cost seconds); each is SIGKILLed at a random moment and the
 store reopened by a fresh ``TierManager`` here.
 
@@ -36,12 +36,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore.testing import tier_crash
 from kvstore.tiering import TierManager
 from kvstore.tiering.manager import STATS_FILE
 from kvstore.tiering.statsfile import read_stats_file
-from tests.conftest import load_tool
-
-tier_crash = load_tool("tier_crash")
 
 SEED = int(os.environ.get("KVSTORE_CRASH_SEED", "20261201"))
 WRITEBACK_CYCLES = 4

@@ -1,0 +1,513 @@
+"""Kill -9 workloads for the tier manager (tests/crash/test_kill9_tiering.py).
+
+Importing torch takes seconds on a loaded 2-core machine, so the workloads do not
+start a fresh interpreter each: they run in processes forked from one *zygote*
+(``tier_crash.py serve``), an interpreter that has imported torch and
+kvstore.tiering and done nothing else (no thread started, no torch op run), so a
+fork of it is as good as a fresh process. The test's side, ``Zygote``, sends it one
+JSON line per workload; the zygote forks, answers ``pid N``, and when the workload
+process ends (the test SIGKILLs it) answers ``exit STATUS``.
+
+A workload writes what it knows to a report file, one line per fact, each line with
+one ``os.write`` of an ``O_APPEND`` descriptor: a line that was written survives the
+kill, and a reader still ignores an unterminated last line.
+
+Workloads (``run_workload``):
+
+``writeback``
+    A ``TierManager`` on the CPU with a real NVMe store and a DRAM of 16 pages, so
+    pages are written back all the time, offers chains of pages whose bytes derive
+    from their keys (``page_bytes``), pacing itself so writes are in flight when the
+    kill lands. It reports ``ack KEY...`` for every page it knows is acknowledged on
+    NVMe. The store's ``put_many`` (what the mover's write-back calls) returns with
+    the pages readable but durable only at the next group commit
+    (docs/reliability.md, promise 2: a page is acknowledged once a ``flush()`` that
+    began after its put returned has returned). So a page counts as acknowledged
+    here once ``tm.store.info(key)`` showed it and then a ``tm.store.flush()``,
+    begun after that, returned. That is sound: the store publishes a page to its
+    index under the same lock that queues the page's WAL record (``_complete_puts``),
+    so a flush that begins after ``info`` sees the page commits its record.
+``stats``
+    Saves the manager's statistics (``tiering-stats.json``: temporary file, fsync,
+    rename, fsync of the directory) in a loop, changing the page heat between saves.
+    Before each save it reports ``begin T`` and after it ``saved T`` (T: the
+    snapshot's ``saved_at_unix_s``), so the test knows which files may be on disk.
+``replay``
+    Replays requests of a generated trace through a manager with HBM, DRAM and NVMe
+    (``replay``), reports the hit counts of the measured requests as one JSON line
+    and then ``done``, and waits to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore.tiering import ModelCost, TierConfig, TierManager
+from kvstore.tiering.trace import Request, generate
+
+# The checkout or install that holds this package: the zygote imports the same one.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+WRITEBACK_PAGE = 16 << 10
+STATS_PAGE = 4 << 10
+REPLAY_PAGE = 4 << 10
+TRACE_KIND = "multi-turn"
+
+
+# -- pages and configurations ----------------------------------------------------
+
+
+def page_bytes(key: bytes, size: int) -> bytes:
+    """The page stored under ``key``: its bytes follow from the key alone, so a
+    checker needs no log of what was written to know what must be read back."""
+    return hashlib.shake_128(key).digest(size)
+
+
+def page_tensor(key: bytes, size: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(page_bytes(key, size)), dtype=torch.uint8)
+
+
+def tier_config(path: Path, page: int, **overrides: Any) -> TierConfig:
+    """A CPU manager on a real store at ``path``: no HBM unless asked, admission
+    ``all`` (the test is about what reaches NVMe, not what τ admits), and a compute
+    rate so low that loading a hit always beats recomputing it."""
+    options: dict[str, Any] = dict(
+        device="cpu",
+        hbm="owned",
+        hbm_bytes=0,
+        dram_bytes=16 * page,
+        page_bytes=page,
+        tokens_per_page=16,
+        nvme_path=str(path),
+        nvme_options={"segment_bytes": 1 << 20, "gc_interval_s": 0},
+        model=ModelCost(1e9, 8, 8, 64, page // 16),
+        compute_flops=1e6,
+        admission="all",
+        hysteresis_s=0.0,
+        probe_at_open=False,
+        control_interval_s=0.002,
+        watermark_low=0.5,
+        watermark_warn=0.7,
+        watermark_force=0.9,
+    )
+    options.update(overrides)
+    return TierConfig(**options)
+
+
+def chain_key(cycle: int, chain: int, index: int) -> bytes:
+    return b"c%d.%d.%d" % (cycle, chain, index)
+
+
+def chain_parent(key: bytes) -> bytes | None:
+    """The parent of a ``chain_key``: the previous page of its chain (None: a root)."""
+    head, _, index = key.rpartition(b".")
+    return None if index == b"0" else head + b".%d" % (int(index) - 1)
+
+
+# -- the report file ---------------------------------------------------------------
+
+
+class Report:
+    """Lines appended with one ``os.write`` each: what was written survives kill -9."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def line(self, text: str) -> None:
+        os.write(self._fd, text.encode() + b"\n")
+
+
+def read_report(path: Path) -> list[str]:
+    """The report's whole lines (an unterminated last line is dropped)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.decode(errors="replace").split("\n")
+    return lines[:-1]  # the text after the last newline is empty or cut short
+
+
+# -- workload: write-back ---------------------------------------------------------
+
+
+def writeback_workload(path: Path, report: Report, seed: int, cycle: int) -> None:
+    """Offer chains forever (until killed), acknowledging pages as they become durable."""
+    rng = random.Random(seed * 1000 + cycle)
+    unacked: deque[bytes] = deque(maxlen=4096)  # a page dropped unwritten ages out
+    # Group commits only every 250 ms: an acknowledgement rests on the explicit flush.
+    options = {"segment_bytes": 1 << 20, "gc_interval_s": 0, "flush_interval_ms": 250.0}
+    config = tier_config(path, WRITEBACK_PAGE, persist_stats_s=0.05, nvme_options=options)
+    tm = TierManager.open(config)
+    report.line("ready")
+    store = tm.store
+    chain = 0
+    next_ack = time.monotonic()
+    while True:
+        length = rng.randint(1, 6)
+        keys = [chain_key(cycle, chain, i) for i in range(length)]
+        chain += 1
+        srcs = [page_tensor(k, WRITEBACK_PAGE) for k in keys]
+        offered = tm.offer(keys, srcs)
+        offered.hbm_release.wait(10)  # srcs may go once copied into DRAM
+        unacked.extend(k for k, tier in zip(keys, offered.tiers, strict=True) if tier is not None)
+        time.sleep(rng.uniform(0.0, 0.004))
+        if time.monotonic() < next_ack:
+            continue
+        # Acknowledge every 5-30 ms, as an engine would: pages written since are in
+        # flight, or on NVMe and not acknowledged yet, when the kill lands.
+        next_ack = time.monotonic() + rng.uniform(0.005, 0.03)
+        visible = [k for k in unacked if store.info(k) is not None]
+        if visible:
+            store.flush()  # began after each of them was visible: all durable now
+            stamp = f"{time.monotonic():.6f}"  # CLOCK_MONOTONIC: the test's clock too
+            report.line(f"ack {stamp} " + " ".join(k.decode() for k in visible))
+            done = set(visible)
+            kept = [k for k in unacked if k not in done]
+            unacked.clear()
+            unacked.extend(kept)
+
+
+@dataclass
+class WritebackCheck:
+    """What a reopened manager holds after a kill, against the acknowledgements."""
+
+    acked: int = 0
+    loaded: int = 0  # acknowledged pages read back through the manager
+    lost: int = 0  # acknowledged, absent after the reopen
+    wrong_bytes: int = 0  # any page whose bytes are not its key's
+    wrong_meta: int = 0  # a page whose parent or depth in the meta is wrong
+    stored: int = 0  # pages on NVMe after the reopen (acknowledged or not)
+    rebuilt: int = 0  # of which the reopened manager knows (forest rebuilt)
+
+    @property
+    def violations(self) -> int:
+        return self.lost + self.wrong_bytes + self.wrong_meta + (self.stored - self.rebuilt)
+
+
+def check_writeback(path: Path, acked: set[bytes], batch: int = 32) -> WritebackCheck:
+    """Reopen ``path`` and check every acknowledged page (loaded through the manager)
+    and every page on NVMe (its bytes and its parent link)."""
+    check = WritebackCheck(acked=len(acked))
+    with TierManager.open(tier_config(path, WRITEBACK_PAGE, dram_bytes=128 * WRITEBACK_PAGE)) as tm:
+        store = tm.store
+        check.rebuilt = tm.stats().pages_by_tier[2]
+        for key in store.keys():  # noqa: SIM118 (KVStore is not a Mapping)
+            check.stored += 1
+            info = store.info(key)
+            data = store.get(key)
+            if info is None or data is None:
+                continue  # deleted meanwhile: nothing deletes here, the count shows it
+            if data != page_bytes(key, WRITEBACK_PAGE):
+                check.wrong_bytes += 1
+            parent = chain_parent(key)
+            depth = int(key.rpartition(b".")[2])
+            want = {"kvt": 1, "parent": None if parent is None else parent.hex(), "depth": depth}
+            if any(info.meta.get(name) != value for name, value in want.items()):
+                check.wrong_meta += 1
+        present = [k for k in sorted(acked) if store.info(k) is not None]
+        check.lost = len(acked) - len(present)
+        for start in range(0, len(present), batch):
+            keys = present[start : start + batch]
+            got = load_pages(tm, keys, WRITEBACK_PAGE)
+            for key, tensor in zip(keys, got, strict=False):
+                check.loaded += 1
+                if bytes(tensor.numpy()) != page_bytes(key, WRITEBACK_PAGE):
+                    check.wrong_bytes += 1
+            check.lost += len(keys) - len(got)
+    return check
+
+
+def load_pages(tm: TierManager, keys: Sequence[bytes], page: int) -> list[torch.Tensor]:
+    """Look ``keys`` up and load the hit into fresh tensors (NaN-free zeros)."""
+    result = tm.lookup(keys)
+    dst = [torch.zeros(page, dtype=torch.uint8) for _ in range(result.plan.load_pages)]
+    handle = tm.prepare_load(result.plan, dst)
+    if not handle.wait(30):
+        raise TimeoutError(f"a load of {len(dst)} pages did not finish in 30 s")
+    loaded = tm.complete_load(handle)
+    return dst[:loaded]
+
+
+# -- workload: statistics saves -------------------------------------------------------
+
+
+def stats_workload(path: Path, report: Report, seed: int, cycle: int) -> None:
+    """Save the statistics in a loop (until killed), the heat changing between saves."""
+    rng = random.Random(seed * 1000 + cycle)
+    config = tier_config(
+        path, STATS_PAGE, dram_bytes=4096 * STATS_PAGE, control_interval_s=0.0, persist_stats_s=0.0
+    )
+    tm = TierManager.open(config)
+    chains = [[chain_key(cycle, c, i) for i in range(8)] for c in range(250)]
+    for keys in chains:  # 2,000 pages: a statistics file of some 150 KB
+        tm.offer(keys, [page_tensor(k, STATS_PAGE) for k in keys]).hbm_release.wait(10)
+    report.line("ready")
+    while True:
+        for _ in range(rng.randint(1, 20)):
+            tm.lookup(rng.choice(chains))
+        with tm._lock:
+            snapshot = tm._stats_snapshot()
+        stamp = repr(snapshot["saved_at_unix_s"])
+        report.line(f"begin {stamp}")
+        tm._write_stats(snapshot)
+        report.line(f"saved {stamp}")
+
+
+# -- workload: trace replay -----------------------------------------------------------
+
+
+@dataclass
+class HitCount:
+    """Hits of the measured requests, in blocks (pages)."""
+
+    requests: int = 0
+    blocks: int = 0  # blocks looked up
+    hit: int = 0  # of which in the resident prefix (any tier)
+    nvme_copy: int = 0  # of which had a copy on NVMe when looked up
+    served: list[int] = field(default_factory=lambda: [0, 0, 0])  # the hit, by serving tier
+
+    @property
+    def nvme_hit_rate(self) -> float:
+        """Block accesses that hit a page with an NVMe copy: what NVMe contributes,
+        whichever tier served the page (a DRAM page promoted from NVMe keeps its copy)."""
+        return self.nvme_copy / self.blocks if self.blocks else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit / self.blocks if self.blocks else 0.0
+
+
+def replay_config(path: Path, **overrides: Any) -> TierConfig:
+    """HBM 64 pages, DRAM 256, NVMe unbounded: the trace's working set (about 1,500
+    blocks of live sessions) spills to NVMe, so its hits are measurable there. The
+    watermarks and clean reserves are the defaults (``overrides`` may change them)."""
+    options: dict[str, Any] = dict(
+        hbm_bytes=64 * REPLAY_PAGE,
+        dram_bytes=256 * REPLAY_PAGE,
+        control_interval_s=0.0,  # the replay steps the manager once per request
+        persist_stats_s=0.5,
+    )
+    options.update(overrides)
+    return tier_config(path, REPLAY_PAGE, **options)
+
+
+def trace(seed: int, requests: int) -> list[Request]:
+    return generate(TRACE_KIND, seed=seed, requests=requests)
+
+
+def block_key(block: int) -> bytes:
+    return b"%d" % block
+
+
+def replay(
+    tm: TierManager, requests: Sequence[Request], count: HitCount | None, *, settle: bool = False
+) -> None:
+    """Serve each request as an engine would: look its chain up, load the hit, offer
+    the blocks it computed (chained to the hit), step the manager. ``settle``: also
+    wait for the moves each request started (the same decisions on every run)."""
+    store = tm.store
+    for request in requests:
+        keys = [block_key(b) for b in request.blocks]
+        result = tm.lookup(keys, tokens=request.input_tokens)
+        hit = result.hit_pages
+        if count is not None:
+            count.requests += 1
+            count.blocks += len(keys)
+            count.hit += hit
+            count.nvme_copy += sum(store.info(k) is not None for k in keys[:hit])
+            for tier, pages in enumerate(result.pages_by_tier):
+                count.served[tier] += pages
+        loaded = 0
+        if result.plan.load_pages:
+            dst = [
+                torch.empty(REPLAY_PAGE, dtype=torch.uint8) for _ in range(result.plan.load_pages)
+            ]
+            handle = tm.prepare_load(result.plan, dst)
+            handle.wait(30)
+            loaded = tm.complete_load(handle)
+        rest = keys[loaded:]
+        if rest:
+            meta = {"parent": keys[loaded - 1]} if loaded else None
+            # The sources are fresh tensors the copies keep alive: no need to wait for them.
+            tm.offer(rest, [page_tensor(k, REPLAY_PAGE) for k in rest], meta=meta)
+        tm.step()
+        if settle:
+            tm.drain()
+            tm.step()
+
+
+def replay_workload(
+    path: Path,
+    report: Report,
+    seed: int,
+    total: int,
+    start: int,
+    measured: int,
+    overrides: dict[str, Any],
+) -> None:
+    """Replay requests [0, start + measured) of a ``total``-request trace, count the
+    last ``measured``; report, hold. (The trace is generated at its full length in
+    every process: a shorter one need not be its prefix.)"""
+    requests = trace(seed, total)[: start + measured]
+    tm = TierManager.open(replay_config(path, **overrides))
+    report.line("ready")
+    replay(tm, requests[:start], None)
+    count = HitCount()
+    replay(tm, requests[start:], count)
+    report.line("count " + json.dumps(asdict(count)))
+    report.line("done")
+    while True:  # killed here: DRAM and HBM are lost; write-backs in flight may be
+        time.sleep(0.05)
+        tm.step()
+
+
+# -- the zygote -------------------------------------------------------------------------
+
+
+def run_workload(spec: dict[str, Any]) -> None:
+    path = Path(spec["dir"])
+    report = Report(Path(spec["report"]))
+    mode = spec["mode"]
+    if mode == "writeback":
+        writeback_workload(path, report, spec["seed"], spec["cycle"])
+    elif mode == "stats":
+        stats_workload(path, report, spec["seed"], spec["cycle"])
+    elif mode == "replay":
+        replay_workload(
+            path,
+            report,
+            spec["seed"],
+            spec["total"],
+            spec["start"],
+            spec["measured"],
+            spec.get("config", {}),
+        )
+    else:
+        raise ValueError(f"unknown workload {mode!r}")
+
+
+def serve() -> int:
+    """The zygote: fork one workload process per JSON line on stdin."""
+    for line in sys.stdin:
+        spec = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.setpgid(0, 0)
+                run_workload(spec)
+            except BaseException as e:
+                with contextlib.suppress(Exception):
+                    Report(Path(spec["report"])).line(f"error {type(e).__name__}: {e}")
+                code = 1
+            os._exit(code)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {status}", flush=True)
+    return 0
+
+
+class Zygote:
+    """The test's handle on a ``serve`` process: start workloads, kill them."""
+
+    def __init__(self) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+        }
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.testing.tier_crash", "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=PACKAGE_ROOT,
+            env=env,
+        )
+
+    def _read(self, prefix: str) -> str:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line.startswith(prefix):
+            raise RuntimeError(f"the zygote answered {line!r}, expected {prefix!r}")
+        return line[len(prefix) :].strip()
+
+    @contextlib.contextmanager
+    def workload(self, report: Path, **spec: Any) -> Iterator[Workload]:
+        """Start a workload; on leaving, SIGKILL it (if still running) and reap it."""
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps({**spec, "report": str(report)}) + "\n")
+        self._process.stdin.flush()
+        work = Workload(int(self._read("pid ")), report)
+        try:
+            yield work
+        finally:
+            work.kill()
+            work.status = int(self._read("exit "))
+
+    def close(self) -> None:
+        """Stop the zygote (idle between workloads: nothing of it to keep)."""
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.kill()
+        self._process.wait()
+
+
+class Workload:
+    """One forked workload process and its report."""
+
+    def __init__(self, pid: int, report: Path) -> None:
+        self.pid = pid
+        self.report = report
+        self.status: int | None = None
+        self.killed = False
+
+    def lines(self) -> list[str]:
+        return read_report(self.report)
+
+    def wait_for(self, word: str, timeout_s: float) -> list[str]:
+        """Poll the report until a line starts with ``word``; its lines then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = self.lines()
+            errors = [line for line in lines if line.startswith("error ")]
+            if errors:
+                raise RuntimeError(f"the workload failed: {errors[0]}")
+            if any(line.split(" ", 1)[0] == word for line in lines):
+                return lines
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {word!r} from the workload in {timeout_s} s: {lines[-3:]}")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        if not self.killed:
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("mode", choices=["serve"])
+    parser.parse_args(argv)
+    return serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
