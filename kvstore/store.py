@@ -24,7 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import itertools
@@ -131,7 +130,7 @@ from kvstore.io.files import (
     write_file_durably,
 )
 from kvstore.log.regular import read_regular, require_regular
-from kvstore.log.segment_reader import verify_record
+from kvstore.log.segment_reader import direct_target, record_views, verify_record
 from kvstore.log.segments import (
     Segment,
     create_segment,
@@ -1449,7 +1448,7 @@ class KVStore:
         segment = self._segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        buffer, views = self._read_views(entry, direct)
+        buffer, views = record_views(self._buffers, entry, direct)
         queue.readv(segment.fd, entry.offset, views, token)
         return buffer
 
@@ -1457,40 +1456,12 @@ class KVStore:
         segment = self._segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        buffer, views = self._read_views(entry, direct)
+        buffer, views = record_views(self._buffers, entry, direct)
         try:
             result = os.preadv(segment.fd, views, entry.offset)
         except OSError as e:
             result = -(e.errno or 5)
         return buffer, result
-
-    def _read_views(
-        self, entry: PageEntry, direct: memoryview | None
-    ) -> tuple[AlignedBuffer, list[memoryview]]:
-        """A pool buffer and the scatter list of one record read (see ``_direct_target``)."""
-        if direct is not None:
-            buffer = self._buffers.acquire(BLOCK_BYTES)
-            return buffer, [buffer.view[:BLOCK_BYTES], direct]
-        span = entry.span_bytes
-        buffer = self._buffers.acquire(span)
-        return buffer, [buffer.view[:span]]
-
-    @staticmethod
-    def _direct_target(entry: PageEntry, target: memoryview) -> memoryview | None:
-        """The part of a caller's buffer the payload can be read straight into, or None.
-
-        Zero-copy needs what O_DIRECT needs: the memory 4 KiB aligned, and a payload
-        of whole 4 KiB blocks (so the record's zero padding is never written into
-        the caller's buffer). Page-aligned memory (mmap, pinned host memory, most
-        KV-cache pages) qualifies; anything else is read into the pool and copied.
-        """
-        size = entry.payload_bytes
-        if size % BLOCK_BYTES or size > target.nbytes:
-            return None
-        view = target[:size]
-        if ctypes.addressof(ctypes.c_char.from_buffer(view)) % BLOCK_BYTES:
-            return None
-        return view
 
     def _checked(
         self,
@@ -1609,7 +1580,7 @@ class KVStore:
         """Read and verify pages; ``sink(index, payload_view)`` consumes each one.
 
         With ``targets``, a page whose ``targets[index]`` can take it directly
-        (``_direct_target``) is read there and not passed to ``sink``.
+        (``direct_target``) is read there and not passed to ``sink``.
         """
         self._check_open()
         self._hold(wanted)
@@ -1635,7 +1606,7 @@ class KVStore:
             for index in present:
                 entry = wanted[index][1]
                 assert entry is not None
-                direct = self._direct_target(entry, targets[index])
+                direct = direct_target(entry, targets[index])
                 if direct is not None:
                     directs[index] = direct
         if len(present) == 1:
@@ -1791,9 +1762,9 @@ class KVStore:
                 assert segment is not None
                 if target is not None:  # the hold may have found a newer, larger page
                     check_fits(target, raw, entry.payload_bytes)
-                direct = None if target is None else self._direct_target(entry, target)
+                direct = None if target is None else direct_target(entry, target)
                 buffer: AlignedBuffer | None
-                buffer, views = self._read_views(entry, direct)
+                buffer, views = record_views(self._buffers, entry, direct)
                 try:
                     assert buffer is not None
                     view = buffer.view

@@ -1,4 +1,4 @@
-"""The one verifier of a page record read from a segment.
+"""Reading page records out of segments: where a read lands, and the one verifier.
 
 Every read of a page (get, get_many, get_into, the GC copy, a read-only view's
 reads) passes what it read through ``verify_record`` before a byte leaves the
@@ -8,6 +8,8 @@ named (``format.records.entry_mismatches``); then the payload's xxh3-64.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 from kvstore.errors import CorruptionError, IOFailure
 from kvstore.format.checksum import checksum
@@ -19,8 +21,9 @@ from kvstore.format.records import (
     entry_mismatches,
     record_header_prefix,
 )
+from kvstore.io.buffers import AlignedBuffer, BufferPool
 
-__all__ = ["verify_record"]
+__all__ = ["direct_target", "record_views", "verify_record"]
 
 
 def verify_record(
@@ -79,3 +82,34 @@ def verify_record(
     if checksum(payload) != entry.payload_checksum:
         raise CorruptionError(f"{where()}: payload checksum mismatch")
     return payload
+
+
+def direct_target(entry: PageEntry, target: memoryview) -> memoryview | None:
+    """The part of a caller's buffer the payload can be read straight into, or None.
+
+    Zero-copy needs what O_DIRECT needs: the memory 4 KiB aligned, and a payload
+    of whole 4 KiB blocks (so the record's zero padding is never written into
+    the caller's buffer). Page-aligned memory (mmap, pinned host memory, most
+    KV-cache pages) qualifies; anything else is read into the pool and copied.
+    """
+    size = entry.payload_bytes
+    if size % BLOCK_BYTES or size > target.nbytes:
+        return None
+    view = target[:size]
+    if ctypes.addressof(ctypes.c_char.from_buffer(view)) % BLOCK_BYTES:
+        return None
+    return view
+
+
+def record_views(
+    pool: BufferPool, entry: PageEntry, direct: memoryview | None
+) -> tuple[AlignedBuffer, list[memoryview]]:
+    """A pool buffer and the scatter list of one record read: the whole record into
+    the buffer, or its header block there and the payload into ``direct``
+    (``direct_target``). The caller releases the buffer."""
+    if direct is not None:
+        buffer = pool.acquire(BLOCK_BYTES)
+        return buffer, [buffer.view[:BLOCK_BYTES], direct]
+    span = entry.span_bytes
+    buffer = pool.acquire(span)
+    return buffer, [buffer.view[:span]]
