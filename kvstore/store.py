@@ -2869,6 +2869,16 @@ class StoreInternals:
             store._segment_readers[segment_id] += 1
         return True
 
+    def segment_reads(self) -> dict[int, int]:
+        """Reads registered per segment right now (none left after every call ends)."""
+        store = self._store
+        with store._lock:
+            return {sid: n for sid, n in store._segment_readers.items() if n}
+
+    def gone_segments(self) -> frozenset[int]:
+        """A read-only view: segments the live writer freed since the view was taken."""
+        return frozenset(self._store._gone_segments)
+
     def release_segment(self, segment_id: int) -> None:
         store = self._store
         with store._lock:

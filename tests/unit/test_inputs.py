@@ -104,7 +104,7 @@ def test_keys_at_the_limits_and_utf8(store: KVStore) -> None:
 
 def test_the_key_limit_is_the_index_limit(store: KVStore) -> None:
     """LMDB's own key limit is what put enforces: no accepted key can fail a checkpoint."""
-    env = store._env.env
+    env = store.internals.env.env
     assert KVStore.max_key_bytes == env.max_key_size() == 511
     store.put(b"k" * KVStore.max_key_bytes, b"v")
     with pytest.raises(ValueError, match="511"):

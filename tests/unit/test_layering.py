@@ -180,14 +180,12 @@ PRIVATE_ALLOWANCE = {
     "kvstore/testing/readers.py": 7,
     "tests/property/test_space_stateful.py": 8,
     "tests/unit/test_degraded_open.py": 6,
-    "tests/unit/test_store.py": 6,
+    "tests/unit/test_store.py": 3,
     "kvstore/testing/ioerrors.py": 5,
     "tests/reliability/test_io_errors.py": 1,
     "tests/unit/test_check.py": 3,
     "tests/unit/test_single_read.py": 2,
     "tools/get_latency.py": 2,
-    "tests/unit/test_inputs.py": 1,
-    "tests/unit/test_readonly_view.py": 1,
 }
 # Receivers that are not a KVStore (another class's private names of the same
 # spelling): the tier manager, its mover's queue, LMCache's backend.

@@ -154,7 +154,7 @@ def test_a_segment_missing_beside_a_live_writer_is_still_corruption(
         assert "missing" in str(e)
         return
     with reader:
-        assert segment not in reader._gone_segments
+        assert segment not in reader.internals.gone_segments()
         assert reader.stats().counters["stale_reads"] == 0
 
 

@@ -902,7 +902,7 @@ def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVSto
     import dataclasses
 
     store.put_many([("good", b"g" * 100), ("bad", b"b" * 100)])
-    entry = store._table.get(b"bad")
+    entry = store.internals.entry(b"bad")
     assert entry is not None
     with store._lock:
         store._table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
@@ -923,7 +923,7 @@ def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVSto
     with pytest.raises(CorruptionError):
         store.get_many(["good", "bad"])
     assert store.get("good") == b"g" * 100  # nothing was left held or broken
-    assert store._segment_readers == {} or not any(store._segment_readers.values())
+    assert store.internals.segment_reads() == {}
 
 
 def test_stats_counters_are_this_opens_growth_of_the_telemetry_vector(
