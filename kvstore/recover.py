@@ -1008,7 +1008,7 @@ def _build(
                 txn.put(key, encode_meta_u64(key, 1), db=env.retains)
 
         env.write(body)
-        env.env.sync(True)
+        env.sync()
     finally:
         env.close()
     WalWriter(stage, scan.superblock.store_uuid, lsn, 0).close()

@@ -363,6 +363,14 @@ class IndexEnv:
             except lmdb.Error as e:
                 raise IOFailure(f"LMDB write to {self.path} failed: {e}") from e
 
+    def sync(self) -> None:
+        """Force LMDB's data to disk now (after writes made with ``write`` by a tool
+        that builds an index and swaps it in: ``kvstore recover``, salvage)."""
+        try:
+            self.env.sync(True)
+        except lmdb.Error as e:
+            raise IOFailure(f"LMDB sync of {self.path} failed: {e}") from e
+
     def get_meta(self, txn: Any, key: bytes, default: int) -> int:
         with lmdb_read_errors(self.path):
             raw = txn.get(key, db=self.meta)

@@ -538,6 +538,6 @@ def _write(
                 txn.put(key, value, db=telemetry_db)
 
         env.write(body)
-        env.env.sync(True)
+        env.sync()
     finally:
         env.close()

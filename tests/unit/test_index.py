@@ -261,3 +261,25 @@ def test_a_segment_key_longer_than_8_bytes_is_corruption(tmp_path: Path) -> None
             load_segments(env)
     finally:
         env.close()
+
+
+def test_sync_failure_is_an_io_failure_naming_the_index(env: IndexEnv) -> None:
+    """``IndexEnv.sync`` (recover's and salvage's one explicit LMDB sync) turns LMDB's
+    error into IOFailure, which the CLI reports, instead of a raw lmdb.Error."""
+    import lmdb
+
+    from kvstore.errors import IOFailure
+
+    env.sync()  # a healthy environment syncs
+
+    class Failing:
+        def sync(self, force: bool) -> None:
+            raise lmdb.DiskError("injected")
+
+    real = env.env
+    env.env = Failing()
+    try:
+        with pytest.raises(IOFailure, match=r"LMDB sync of .*index.* failed: injected"):
+            env.sync()
+    finally:
+        env.env = real
