@@ -37,11 +37,11 @@ class Known(Protocol):
 
 
 def put_applies(now: Known | None, lsn: int) -> bool:
+    """Newer or equal wins (equal: the later record; replay is idempotent)."""
     return now is None or now.lsn <= lsn
 
 
-def delete_applies(now: Known | None, lsn: int) -> bool:
-    return now is None or now.lsn <= lsn
+delete_applies = put_applies  # a DELETE follows the PUT's rule
 
 
 def move_applies(now: Known | None, lsn: int, old_location: tuple[int, int, int]) -> bool:

@@ -203,17 +203,11 @@ class TierManager:
         # order: an allocation under pressure takes the lowest (leaving DRAM makes no
         # hole in a prefix while the NVMe copy stays).
         self._clean_dram: EvictionOrder = make_order(
-            config.eviction,
-            config.phi_weights,
-            config.recency_scale_s,
-            self._cost_ratio,
+            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
         )
         # HBM pages that also have their DRAM copy (owned HBM): the same idea one tier up.
         self._clean_hbm: EvictionOrder = make_order(
-            config.eviction,
-            config.phi_weights,
-            config.recency_scale_s,
-            self._cost_ratio,
+            config.eviction, config.phi_weights, config.recency_scale_s, self._cost_ratio
         )
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
         self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
@@ -1017,8 +1011,7 @@ class TierManager:
             if not rec.hbm_clean:
                 rec.hbm_clean = True
                 self._clean_hbm.add(rec)
-                if rec.state is _READY:  # a busy page is in no tier's order
-                    self._orders[HBM].remove(rec)
+                self._orders[HBM].remove(rec)
             else:
                 rec.hbm_clean = False
                 self._clean_hbm.remove(rec)
@@ -1028,8 +1021,7 @@ class TierManager:
         if clean != (old_tiers & 6 == 6):
             if clean:
                 self._clean_dram.add(rec)
-                if rec.state is _READY:
-                    self._orders[DRAM].remove(rec)
+                self._orders[DRAM].remove(rec)
             else:
                 self._clean_dram.remove(rec)
                 if tiers & 2:  # still in DRAM (_enter_order's first test)
@@ -1068,7 +1060,7 @@ class TierManager:
         if diff & 4:
             if held & 4:
                 parent.resident_nvme += 1
-                if parent.resident_nvme == 1 and parent.state is _READY:
+                if parent.resident_nvme == 1:
                     # NVMe deletes: only leaves are victims, so a parent waits outside
                     # the order (scanning past it at every eviction would cost more).
                     self._orders[NVME].remove(parent)
@@ -1192,8 +1184,7 @@ class TierManager:
         tiers, leaving = rec.tiers, rec.leaving
         rec.leaving = leaving | bit
         self._leaving[tier] += self._tier_bytes(rec, tier)
-        if rec.state is _READY:
-            self._orders[tier].remove(rec)
+        self._orders[tier].remove(rec)
         self._changed(rec, tiers, leaving)
 
     def _stay(self, rec: PageRec, tier: int) -> None:

@@ -429,15 +429,8 @@ class PhiOrder:
         heapq.heappush(self._heap, phi)
 
     def add(self, rec: PageRec) -> None:
-        phi = self._score(rec)
-        at = self._at
-        while phi in at:  # _file, inlined
-            phi = math.nextafter(phi, math.inf)
-        at[phi] = rec
-        self._member[rec.key] = phi
-        heap = self._heap
-        heapq.heappush(heap, phi)
-        if len(heap) > self._compact_at:
+        self._file(rec, self._score(rec))
+        if len(self._heap) > self._compact_at:
             self._compact()
 
     def touch(self, rec: PageRec) -> None:
