@@ -940,7 +940,7 @@ def _check_wal(run: _Run) -> None:
     with lock:
         checkpoint_lsn = store._checkpoint_lsn
         wal_findings = _wal_findings(root, store.superblock.store_uuid, checkpoint_lsn)
-        if wal_findings and run.live_writer and store._view_moved():
+        if wal_findings and run.live_writer and store.internals.view_moved():
             # The writer checkpointed since the view and deleted the WAL files the
             # view starts from (the view itself replayed them whole at open).
             run.changed += len(wal_findings)

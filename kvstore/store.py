@@ -25,23 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import itertools
 import os
 import shutil
-import tempfile
 import threading
 import time
-import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import lmdb
-
+from kvstore import lifecycle
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     ClosedError,
@@ -69,16 +65,13 @@ from kvstore.format.names import (
     LOCK_NAME,
     SEGMENTS_DIR,
     SUPERBLOCK_NAME,
-    WAL_DIR,
 )
 from kvstore.format.records import (
     RecordHeader,
-    Superblock,
     decode_record_header,
     decode_superblock,
     encode_record_fields_into,
     encode_record_header_into,
-    encode_superblock,
 )
 from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
@@ -95,15 +88,11 @@ from kvstore.format.wal import (
 )
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
-    Recovered,
     apply_delete,
     apply_move,
     apply_put,
-    entries_in_segments,
-    live_segments_now,
-    recover_index,
 )
-from kvstore.index.salvage import IndexSalvage, salvage_index
+from kvstore.index.salvage import IndexSalvage
 from kvstore.index.table import (
     META_CHECKPOINT_LSN,
     META_LSN_LEASE,
@@ -121,31 +110,26 @@ from kvstore.inputs import (
     writable_view,
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue, make_engine, resolve_choice, run_all
+from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
 from kvstore.io.files import (
     acquire_writer_lock,
-    fsync_dir,
     probe_direct_io,
     probe_direct_read,
-    write_file_durably,
 )
 from kvstore.log.regular import read_regular, require_regular
 from kvstore.log.segment_reader import direct_target, record_views, verify_record
 from kvstore.log.segments import (
     Segment,
     create_segment,
-    list_segment_files,
-    open_segment,
-    open_untrusted_segment,
     read_segment_header,
     recycle_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.policies import POLICIES, EvictionPolicy, SegmentView, make_policy
+from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
 from kvstore.space.tally import GCTally
-from kvstore.telemetry import TelemetrySnapshot, resolve_capacity, snapshot_of
+from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
-from kvstore.telemetry.budget import DwpdBudget
+from kvstore.telemetry.recorder import Recorder
 from kvstore.telemetry.wear import WearReport
 from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
 
@@ -159,9 +143,6 @@ _T = TypeVar("_T")
 __all__ = ["KVStore", "StoreInternals"]
 
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
-# A read-only open takes a new view this many times while the writer's checkpoints
-# keep deleting the WAL files its view starts from.
-_VIEW_ATTEMPTS = 10
 
 
 def _quietly(release: Callable[[], object]) -> None:
@@ -174,20 +155,6 @@ def _quietly(release: Callable[[], object]) -> None:
 
 def _payload_bytes(payload: memoryview, _in_place: bool) -> bytes:
     return bytes(payload)
-
-
-@dataclasses.dataclass(slots=True)
-class _Degraded:
-    """What this open could not vouch for (``stats()``; docs/operations.md, "Degraded open")."""
-
-    reasons: list[str] = dataclasses.field(default_factory=list)
-    segments: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> why
-    served: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> pages verified
-    pages: int = 0  # dropped: misses
-    salvaged_pages: int = 0
-    damaged_wal_headers: int = 0
-    salvaged_wal_records: int = 0
-    index_salvaged: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -269,11 +236,11 @@ class KVStore:
         creating = not (root / SUPERBLOCK_NAME).exists()
         # Every option is checked before anything is created: a refused open leaves
         # no store behind.
-        _check_config(config, probe_engine=creating and create and not readonly)
+        lifecycle.check_config(config, probe_engine=creating and create and not readonly)
         if creating:
             if not create or readonly:
                 raise StoreNotFoundError(f"no kvstore at {root}")
-            _create_store(root, config)
+            lifecycle.create_store(root, config)
         return cls(root, config, readonly=readonly)
 
     def __init__(self, root: Path, config: StoreConfig, *, readonly: bool) -> None:
@@ -328,26 +295,30 @@ class KVStore:
         self._salvage_dir: Path | None = None  # read-only: a private rebuilt index
         try:
             if not self.readonly:
-                _finish_index_swap(root)
+                lifecycle.finish_index_swap(root)
             self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
         except IndexDamagedError as e:
-            self._env = self._salvage_index(e)
+            self._env = lifecycle.salvage_damaged_index(self, e)
         self._live_now: dict[int, int] | None = None
         try:
-            recovered = self._recover()
+            recovered = lifecycle.recover(self)
         except IndexDamagedError as e:  # a damaged value: checksum or plausibility
             if self._index_salvage is not None:
                 raise
             self._env.close()
-            self._env = self._salvage_index(e)
-            recovered = self._recover()
+            self._env = lifecycle.salvage_damaged_index(self, e)
+            recovered = lifecycle.recover(self)
         self._table = recovered.table
         self._segment_states = recovered.segments
         self._next_segment_id = recovered.next_segment_id
         self._checkpoint_lsn = recovered.checkpoint_lsn
         self.recovery_notes = list(recovered.notes)
         self.replayed_records = recovered.replayed_records
-        self._open_telemetry()
+        self._lock = threading.Lock()  # the state lock: innermost (docs/design.md)
+        self._cond = threading.Condition(self._lock)
+        self._recorder = Recorder(root, config, self._env, self._lock, readonly=self.readonly)
+        self.recovery_notes.extend(self._recorder.notes)
+        self._tv = self._recorder.values  # the one counter vector, counted in under _lock
         # Never reissue an LSN that a crashed writer may have stamped on a record.
         self._next_lsn = recovered.lsn_lease
         self._lease_until = self._next_lsn
@@ -359,7 +330,7 @@ class KVStore:
         damaged: dict[int, str] = {}
         for segment_id, state in sorted(self._segment_states.items()):
             try:
-                segment = self._open_view_segment(segment_id, state)
+                segment = lifecycle.open_view_segment(self, segment_id, state)
             except CorruptionError as e:  # damaged header, another identity, missing, short
                 damaged[segment_id] = e.args[0] if e.args else type(e).__name__
                 continue
@@ -371,7 +342,7 @@ class KVStore:
         self._active: Segment | None = None
         self._retains: set[bytes] = recovered.retains
         self._dropped_segments: list[int] = list(recovered.dropped_segments)
-        self._degraded = _Degraded(
+        self._degraded = lifecycle.Degraded(
             reasons=list(recovered.degraded),
             damaged_wal_headers=recovered.damaged_wal_headers,
             salvaged_wal_records=recovered.salvaged_wal_records,
@@ -388,7 +359,7 @@ class KVStore:
             self.recovery_notes.append(reason)
             self.recovery_notes.extend(salvage.notes)
         if damaged:
-            self._quarantine_segments(damaged)
+            lifecycle.quarantine_segments(self, damaged)
         self._pins: dict[bytes, list[PageEntry]] = {}
         self._segment_pins: Counter[int] = Counter()
         self._segment_readers: Counter[int] = Counter()
@@ -403,8 +374,6 @@ class KVStore:
         capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
         self._capacity_bytes = capacity
         self._capacity_segments = capacity // config.segment_bytes if capacity else None
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         # WAL records published but not yet committed. A group commit swaps the
@@ -424,12 +393,12 @@ class KVStore:
         self._telemetry_thread: threading.Thread | None = None
         if self.readonly:
             return
-        self._choose_active_segment()
+        lifecycle.choose_active_segment(self)
         chain = recovered.wal_files
         prev = chain[-1].first_lsn if chain else 0
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
         self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
-        self._tv_at_open = list(self._tv)  # counting for stats() starts once open
+        self._recorder.start_session()  # counting for stats() starts once open
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
         self._telemetry_thread = threading.Thread(
@@ -443,257 +412,6 @@ class KVStore:
         if self.config.gc_interval_s > 0:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="kvstore-gc", daemon=True)
             self._gc_thread.start()
-
-    def _recover(self) -> Recovered:
-        """The index as of one point in time: for a read-only open, one pinned LMDB
-        read transaction and the WAL after its checkpoint (see ``_view_moved``)."""
-        attempts = _VIEW_ATTEMPTS if self.readonly else 1
-        for attempt in range(attempts):
-            if self.readonly:
-                self._env.pin()
-            try:
-                recovered = recover_index(self._env, self.root, self.superblock.store_uuid)
-                break
-            except (CorruptionError, FileNotFoundError) as e:
-                # A read-only open can race the writer's checkpoint deleting WAL files;
-                # that is a view that moved, never damage: take a new one.
-                if attempt < attempts - 1 and self.readonly and self._view_moved():
-                    continue
-                if isinstance(e, FileNotFoundError):
-                    raise CorruptionError(
-                        f"a file of {self.root} vanished or is a dangling link "
-                        f"({e.filename}); run `kvstore recover PATH`"
-                    ) from e
-                raise
-        if not self.readonly:
-            self._repair_after_crash(recovered)
-        return recovered
-
-    def _view_moved(self) -> bool:
-        """Read-only: whether the writer has checkpointed since this view was pinned.
-
-        Only a checkpoint deletes WAL files, and only those below its own
-        ``checkpoint_lsn``: while the pinned checkpoint is still the newest, every
-        WAL file from it on must be there, so a failure to read them is damage.
-        """
-        try:
-            with self._env.read() as txn:
-                pinned = self._env.get_meta(txn, META_CHECKPOINT_LSN, 0)
-            return self._env.fresh_meta(META_CHECKPOINT_LSN, 0) != pinned
-        except KVStoreError:
-            return False
-
-    def _open_view_segment(self, segment_id: int, state: SegmentState) -> Segment | None:
-        """Open a segment of the recovered index; None (read-only only) if the live
-        writer has freed it since the view was taken (its file gone or reused)."""
-        try:
-            return open_segment(
-                self.root,
-                segment_id,
-                state.generation,
-                state.head_bytes,
-                store_uuid=self.superblock.store_uuid,
-                direct=self.direct_io,
-                readonly=self.readonly,
-            )
-        except (CorruptionError, IOFailure) as e:
-            if not self.readonly or (isinstance(e, IOFailure) and e.errno != errno.ENOENT):
-                raise
-            # A state read earlier in this open may predate this free: one that says
-            # "freed" stays true (a segment id is never reused), "live" is re-read.
-            for fresh in (False, True):
-                if fresh or self._live_now is None:
-                    self._live_now = live_segments_now(
-                        self._env, self.root, self.superblock.store_uuid
-                    )
-                if self._live_now is not None and (
-                    self._live_now.get(segment_id) != state.generation
-                ):
-                    return None
-            raise  # still live (or cannot tell): the file really is missing or wrong
-
-    def _salvage_index(self, error: IndexDamagedError) -> IndexEnv:
-        """Rebuild a structurally damaged LMDB index from what still verifies in it.
-
-        LMDB must not read the file (it trusts its pages); kvstore/index/salvage.py
-        reads it instead and keeps only checksummed values from sound, reachable,
-        non-free pages of the current tree. A writer swaps the rebuilt index in
-        (the damaged one is kept as ``index.damaged-<ts>/``; an interrupted swap is
-        finished by the next open); a read-only open uses a private copy for its
-        own life and changes nothing in the store.
-        """
-        root = self.root
-        if self.readonly:
-            self._salvage_dir = Path(tempfile.mkdtemp(prefix="kvstore-salvage-"))
-            target = self._salvage_dir / INDEX_DIR
-        else:
-            target = root / _INDEX_STAGE
-            if target.exists():
-                shutil.rmtree(target)
-        try:
-            self._index_salvage = salvage_index(
-                root / INDEX_DIR / "data.mdb", target, root, self.superblock, error.problems
-            )
-        except (OSError, KVStoreError) as e:
-            raise CorruptionError(
-                f"{error.args[0]}; salvaging it failed too ({e}); run `kvstore recover PATH`"
-            ) from e
-        if not self.readonly:
-            try:
-                fsync_dir(target)
-                fsync_dir(root)
-                aside = root / f"{INDEX_DIR}.damaged-{int(time.time())}"
-                n = 1
-                while aside.exists():
-                    aside = aside.with_name(f"{INDEX_DIR}.damaged-{int(time.time())}.{n}")
-                    n += 1
-                os.rename(root / INDEX_DIR, aside)
-                os.rename(target, root / INDEX_DIR)
-                fsync_dir(root)
-            except OSError as e:
-                raise IOFailure(f"cannot swap the salvaged index into {root}", e.errno) from e
-            self._index_salvage.notes.append(f"the damaged index was kept as {aside.name}/")
-            target = root / INDEX_DIR
-        return IndexEnv(target, readonly=self.readonly)
-
-    def _quarantine_segments(self, damaged: dict[int, str]) -> None:
-        """Keep serving what a damaged segment still holds, verified; drop the rest.
-
-        A segment whose header is damaged (or names another id, generation or
-        store), whose file is short, or whose file is missing cannot be vouched for
-        as a whole. Its records can: each names its key, segment, offset,
-        generation and LSN and carries its checksums. Every page the index places
-        in such a segment is read and verified completely against its entry now;
-        those that pass are served (and verified again on every read), the rest
-        become misses (an in-memory delete at the page's own LSN, which the next
-        checkpoint makes durable). The segment is opened read-only and sealed: no
-        put, move or recycle ever writes into it (GC may still move its verified
-        pages out and then remove the file). With its file gone, the segment is
-        dropped. The damage stays on disk until then, so the next open finds it
-        again, deterministically. Counted in ``stats()``.
-        """
-        quarantine = self._degraded
-        for segment_id, why in sorted(damaged.items()):
-            state = self._segment_states[segment_id]
-            segment = open_untrusted_segment(
-                self.root,
-                segment_id,
-                state.generation,
-                state.head_bytes,
-                size_bytes=self.config.segment_bytes,
-                direct=self.direct_io,
-            )
-            if segment is not None:
-                try:
-                    file_bytes = os.fstat(segment.fd).st_size
-                except OSError:
-                    file_bytes = 0
-                # A short file: GC must not scan past what is there.
-                state.head_bytes = max(BLOCK_BYTES, min(state.head_bytes, file_bytes))
-                state.head_bytes -= state.head_bytes % BLOCK_BYTES
-                state.state = SEGMENT_SEALED
-                self._segments[segment_id] = segment
-            quarantine.segments[segment_id] = why
-        served: Counter[int] = Counter()
-        lost: Counter[int] = Counter()
-        for key, entry in entries_in_segments(self._table, set(damaged)):
-            segment = self._segments.get(entry.segment_id)
-            state = self._segment_states[entry.segment_id]
-            if (
-                segment is not None
-                and entry.offset + entry.span_bytes <= state.head_bytes  # inside the file
-                and self._verifies(segment, key, entry)
-            ):
-                served[entry.segment_id] += 1
-                continue
-            apply_delete(self._table, self._segment_states, key, entry.lsn)
-            self._retains.discard(key)
-            lost[entry.segment_id] += 1
-        quarantine.salvaged_pages += sum(served.values())
-        quarantine.served.update(served)
-        quarantine.pages += sum(lost.values())
-        for segment_id, why in sorted(damaged.items()):
-            if segment_id not in self._segments:  # no file: nothing of it is left
-                del self._segment_states[segment_id]
-                self._dropped_segments.append(segment_id)
-            reason = (
-                f"segment {segment_id:016x}.seg quarantined ({why}): {served[segment_id]} "
-                f"of its pages verified and are served, {lost[segment_id]} are misses"
-            )
-            quarantine.reasons.append(reason)
-            self.recovery_notes.append(reason)
-
-    def _verifies(self, segment: Segment, key: bytes, entry: PageEntry) -> bool:
-        """Whether ``entry``'s record reads back whole and matches it (the read path's
-        own check)."""
-        buffer = self._buffers.acquire(entry.span_bytes)
-        try:
-            try:
-                result = os.preadv(segment.fd, [buffer.view[: entry.span_bytes]], entry.offset)
-            except OSError:
-                return False
-            try:
-                verify_record(
-                    key, entry, buffer.view, result, max_page_bytes=self.config.max_page_bytes
-                )
-            except KVStoreError:
-                return False
-            return True
-        finally:
-            self._buffers.release(buffer)
-
-    def _repair_after_crash(self, recovered: Recovered) -> None:
-        """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
-        try:
-            self._repair_files(recovered)
-        except OSError as e:
-            raise IOFailure(f"cannot repair {self.root} after a crash", e.errno) from e
-
-    def _repair_files(self, recovered: Recovered) -> None:
-        root = self.root
-        kept = []
-        for wal_file in recovered.wal_files:
-            if wal_file.torn_tail == "header never written":
-                wal_file.path.unlink()
-                continue
-            if wal_file.valid_end < wal_file.file_bytes:
-                with open(wal_file.path, "r+b") as handle:
-                    handle.truncate(wal_file.valid_end)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            kept.append(wal_file)
-        recovered.wal_files = kept
-        for first_lsn, path in list_wal_files(root):
-            if first_lsn < recovered.checkpoint_lsn:
-                path.unlink()
-        fsync_dir(root / WAL_DIR)
-        for segment_id, path in list_segment_files(root).items():
-            if segment_id not in recovered.segments:
-                if path.is_dir() and not path.is_symlink():
-                    recovered.notes.append(f"left directory {path.name} (not a segment) alone")
-                    continue
-                # Created, but its SEGMENT_OPEN never became durable: nothing points in.
-                path.unlink()
-                recovered.notes.append(f"removed orphan segment file {path.name}")
-        for entry in os.scandir(root / SEGMENTS_DIR):
-            if entry.name.endswith(".tmp") or entry.name.startswith("."):
-                if entry.is_dir(follow_symlinks=False):
-                    recovered.notes.append(f"left directory {entry.name} in segments/ alone")
-                    continue
-                os.unlink(entry.path)
-        fsync_dir(root / SEGMENTS_DIR)
-
-    def _choose_active_segment(self) -> None:
-        for segment_id in sorted(self._segments, reverse=True):
-            segment = self._segments[segment_id]
-            state = self._segment_states[segment_id]
-            if state.state == SEGMENT_ACTIVE and segment.remaining() > BLOCK_BYTES:
-                # Resume at the durable head: whatever a crash left past it is reclaimed.
-                self._active = segment
-                break
-        for segment_id, state in self._segment_states.items():
-            if self._active is None or segment_id != self._active.segment_id:
-                state.state = SEGMENT_SEALED
 
     # -- context manager and closing --------------------------------------
 
@@ -728,7 +446,8 @@ class KVStore:
                 if self._failed is None:
                     self._checkpoint()  # persists the telemetry too
                 else:
-                    self._persist_telemetry()
+                    with self._checkpoint_lock:
+                        self._recorder.persist()
         finally:
             self._release_resources()
 
@@ -1030,10 +749,10 @@ class KVStore:
             return []
         started_ns = time.perf_counter_ns()
         admitted: list[bool] | None = None
-        if self._budget is not None:
+        if self._recorder.budget is not None:
             spans = [record_span(view.nbytes) for _, view, _ in prepared]
             with self._lock:
-                admitted = self._budget.admit(spans, tc.store_bytes(self._tv))
+                admitted = self._recorder.budget.admit(spans, tc.store_bytes(self._tv))
                 for ok, (_, view, _) in zip(admitted, prepared, strict=True):
                     if not ok:
                         self._tv[tc.DECLINED_PUTS] += 1
@@ -1399,7 +1118,14 @@ class KVStore:
                 self._tv[tc.CHECKPOINTS] += 1
                 if wchar_before is not None and wchar_after is not None:
                     self._tv[tc.INDEX] += wchar_after - wchar_before
-            self._persist_telemetry_locked()
+            self._recorder.persist()
+
+    def _telemetry_loop(self) -> None:
+        """Sample throughput every second; persist the counters every
+        ``telemetry_flush_interval_s`` (``Recorder.tick``)."""
+        interval = self.config.telemetry_flush_interval_s
+        while not self._stop.wait(min(1.0, interval)):
+            self._recorder.tick(interval, self._checkpoint_lock)
 
     def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
@@ -2492,38 +2218,12 @@ class KVStore:
             decode_meta(entry.meta),
         )
 
-    def _session_counters(self) -> dict[str, int]:
-        """``StoreStats.counters``: what this open counted, from the one telemetry
-        vector (its growth since open). Caller holds ``_lock``."""
-        now, base = self._tv, self._tv_at_open
-
-        def grown(index: int) -> int:
-            return now[index] - base[index]
-
-        return {
-            "puts": grown(tc.PUTS),
-            "host_bytes_written": grown(tc.HOST),
-            "segment_bytes_written": grown(tc.HOST) + grown(tc.RECORD_OVERHEAD) + grown(tc.GC_COPY),
-            "gets": grown(tc.GETS),
-            "hits": grown(tc.HITS),
-            "misses": grown(tc.MISSES),
-            "bytes_read": grown(tc.READ_BYTES),
-            "deletes": grown(tc.DELETES),
-            "commits": grown(tc.COMMITS),
-            "checkpoints": grown(tc.CHECKPOINTS),
-            "gc_bytes_copied": grown(tc.GC_COPY),
-            "gc_pages_moved": grown(tc.GC_MOVED_PAGES),
-            "segments_freed": grown(tc.SEGMENTS_FREED),
-            "wal_bytes_written": grown(tc.WAL),
-            "stale_reads": self._stale_reads,
-        }
-
     def stats(self) -> StoreStats:
         self._check_open()
         snapshot = self.telemetry_snapshot()
         wear = snapshot.wear_report()
         with self._lock:
-            counters = self._session_counters()
+            counters = self._recorder.session_counters(self._stale_reads)
             wal_bytes = self._wal.size_bytes if self._wal is not None else 0
             active = self._active.segment_id if self._active is not None else 0
             overlay = len(self._table.active) + len(self._table.frozen or {})
@@ -2595,149 +2295,6 @@ class KVStore:
 
     # -- telemetry -----------------------------------------------------------
 
-    def _open_telemetry(self) -> None:
-        """Load the persisted counters (LMDB ``telemetry`` database) and set up the
-        wear model and the DWPD budget. Never fails the open: see ``recovery_notes``."""
-        config = self.config
-        self._telemetry = tc.Telemetry(
-            config.telemetry_clock or time.time, config.telemetry_retention_hours
-        )
-        self._tv = self._telemetry.values
-        self._telemetry_db: Any = None
-        self._telemetry_saved: list[int] | None = None
-        self._telemetry_last_save = time.monotonic()
-        self._samples: deque[tuple[float, int, int, int, int, int]] = deque(maxlen=512)
-        env = self._env.env
-        try:
-            self._telemetry_db = env.open_db(tc.TELEMETRY_DB, create=not self.readonly)
-        except lmdb.NotFoundError:
-            self._telemetry_db = None  # read-only open of a store no writer has counted yet
-        except lmdb.Error as e:  # counting must never keep the store from opening
-            self._telemetry_db = None
-            self._telemetry.notes.append(f"cannot open the telemetry database: {e}")
-        if self._telemetry_db is not None:
-            try:
-                self._telemetry.load(env, self._telemetry_db)
-            except lmdb.Error as e:  # counting must never keep the store from opening
-                self._telemetry.notes.append(f"cannot read the counters ({e}); starting at zero")
-                self._telemetry.values[:] = [0] * tc.VECTOR_LEN
-            self.recovery_notes.extend(f"telemetry: {note}" for note in self._telemetry.notes)
-        if not self.readonly:
-            self._telemetry.wear = tc.WearSettings(
-                config.drive_capacity_bytes or 0,
-                config.rated_dwpd or 0.0,
-                config.warranty_years or 0.0,
-                config.max_dwpd or 0.0,
-            )
-        self._tv = self._telemetry.values  # load() replaced the list
-        self._tv_at_open = list(self._tv)  # stats().counters: the growth since open
-        self._drive_capacity, self._capacity_source = resolve_capacity(
-            self.root, self._telemetry.wear
-        )
-        self._budget: DwpdBudget | None = None
-        if config.max_dwpd is not None and not self.readonly:
-            if not self._drive_capacity:
-                raise ValueError(
-                    "max_dwpd needs the drive's capacity, which could not be read: "
-                    "set drive_capacity_bytes"
-                )
-            self._budget = DwpdBudget(
-                max_dwpd=config.max_dwpd,
-                capacity_bytes=self._drive_capacity,
-                burst_s=config.max_dwpd_burst_s,
-                clock=self._telemetry.clock,
-                min_burst_bytes=record_span(config.max_page_bytes),
-                written_bytes=tc.store_bytes(self._tv),
-            )
-
-    def _telemetry_loop(self) -> None:
-        """Sample throughput every second; persist the counters every
-        ``telemetry_flush_interval_s`` when they changed."""
-        interval = self.config.telemetry_flush_interval_s
-        while not self._stop.wait(min(1.0, interval)):
-            try:
-                with self._lock:
-                    self._samples.append(self._throughput_sample())
-                if time.monotonic() - self._telemetry_last_save >= interval:
-                    self._persist_telemetry()
-            except Exception as e:  # counting must never stop for good: keep the reason
-                note = f"the telemetry thread met {type(e).__name__}: {e}"
-                if note not in self._telemetry.notes:
-                    self._telemetry.notes.append(note)
-
-    def _persist_telemetry(self) -> None:
-        with self._checkpoint_lock:
-            self._persist_telemetry_locked()
-
-    def _persist_telemetry_locked(self) -> None:
-        """Write the counters to LMDB if they changed. Caller holds ``_checkpoint_lock``
-        (so no other LMDB write transaction of this store runs meanwhile).
-
-        Never raises: a failed save is retried at the next one, and the error is kept
-        in the telemetry notes (``kvstore stat`` and ``wear`` show them)."""
-        if self.readonly or self._telemetry_db is None:
-            return
-        try:
-            self._save_telemetry()
-        except (lmdb.Error, OSError, KVStoreError) as e:  # IndexEnv.write: IOFailure
-            note = f"saving the counters failed: {e}"
-            if note not in self._telemetry.notes:
-                self._telemetry.notes.append(note)
-
-    def _save_telemetry(self) -> None:
-        self._telemetry_last_save = time.monotonic()
-        with self._lock:
-            snapshot = list(self._tv)
-        # Its own bytes do not count as a change, or an idle store would write forever.
-        snapshot_key = snapshot[: tc.TELEMETRY] + snapshot[tc.TELEMETRY + 1 :]
-        if self._telemetry_saved == snapshot_key and (
-            int(self._telemetry.clock() // tc.SECONDS_PER_HOUR) == self._telemetry.hour
-        ):
-            return
-        before = tc.read_io_wchar()
-        self._telemetry.save(self._env.write, self._telemetry_db, snapshot, self._telemetry.clock())
-        after = tc.read_io_wchar()
-        self._telemetry_saved = snapshot_key
-        if before is not None and after is not None:
-            with self._lock:
-                self._tv[tc.TELEMETRY] += after - before
-
-    def _throughput_sample(self) -> tuple[float, int, int, int, int, int]:
-        """(time, host bytes, store bytes, bytes read, puts, gets). Caller holds ``_lock``."""
-        tv = self._tv
-        return (
-            time.monotonic(),
-            tv[tc.HOST],
-            tc.store_bytes(tv),
-            tv[tc.READ_BYTES],
-            tv[tc.PUTS],
-            tv[tc.GETS],
-        )
-
-    def _throughput(self) -> dict[str, dict[str, float]]:
-        """Rates over the recent windows, from the telemetry thread's 1 s samples."""
-        with self._lock:
-            samples = list(self._samples)
-            now = self._throughput_sample()
-        rates: dict[str, dict[str, float]] = {}
-        for name, window in _THROUGHPUT_WINDOWS_S.items():
-            older = [sample for sample in samples if now[0] - sample[0] <= window]
-            if not older:
-                continue
-            first = older[0]
-            seconds = now[0] - first[0]
-            if seconds <= 0:
-                continue
-            rates[name] = {
-                "seconds": seconds,
-                "host_write_bytes_per_s": (now[1] - first[1]) / seconds,
-                "store_write_bytes_per_s": (now[2] - first[2]) / seconds,
-                "read_bytes_per_s": (now[3] - first[3]) / seconds,
-                "puts_per_s": (now[4] - first[4]) / seconds,
-                "gets_per_s": (now[5] - first[5]) / seconds,
-            }
-        return rates
-
     def telemetry_snapshot(self) -> TelemetrySnapshot:
         """Lifetime counters, hourly history and recent rates (see kvstore/telemetry)."""
         self._check_open()
@@ -2757,21 +2314,7 @@ class KVStore:
             for name, value in self._degraded_stats().items():
                 if isinstance(value, bool | int) and name != "index_check_seconds":
                     gauges[name] = float(value)
-        index_file = self.root / INDEX_DIR / "data.mdb"
-        try:
-            gauges["page_table_bytes"] = float(index_file.stat().st_size)
-        except OSError:
-            pass
-        return snapshot_of(
-            self._telemetry,
-            values,
-            path=str(self.root),
-            capacity_bytes=self._drive_capacity,
-            capacity_source=self._capacity_source,
-            live=not self.readonly,
-            throughput=self._throughput() if not self.readonly else None,
-            gauges=gauges,
-        )
+        return self._recorder.snapshot(values, gauges, path=str(self.root))
 
     def wear(self) -> WearReport:
         """Write amplification, DWPD over 1 h / 24 h / 7 d, projected drive life."""
@@ -2824,6 +2367,10 @@ class StoreInternals:
             return
         with store._gc_lock, store._writers_frozen():
             yield
+
+    def view_moved(self) -> bool:
+        """Read-only: whether the writer has checkpointed since this view was taken."""
+        return lifecycle.view_moved(self._store)
 
     @property
     def env(self) -> IndexEnv:
@@ -2903,105 +2450,3 @@ class StoreInternals:
                     return None
                 store._cond.wait(min(left, 0.05))
             return store._spare.segment_id, store._spare.path
-
-
-def _check_config(config: StoreConfig, *, probe_engine: bool) -> None:
-    """``config.validate()`` plus the names it cannot check (they are registered in
-    higher layers); with ``probe_engine``, also that an explicit ``io_engine="io_uring"``
-    runs here (the probe is cached, so the open that follows pays nothing for it)."""
-    config.validate()
-    kind, binding, _ = resolve_choice(config.io_engine, config.uring_binding)
-    if config.eviction_policy not in POLICIES:
-        raise ValueError(
-            f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
-            f"got {config.eviction_policy!r}"
-        )
-    if probe_engine and kind == "io_uring":
-        from kvstore.io.probe import probe_uring
-
-        verdict = probe_uring(binding)
-        if not verdict.ok:
-            raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
-
-
-_INDEX_STAGE = "index.salvage"
-"""Where a writer builds a salvaged index before swapping it in (docs/format.md)."""
-
-
-def _finish_index_swap(root: Path) -> None:
-    """Finish, or undo, a salvaged-index swap a crash interrupted.
-
-    The staged index is complete before the damaged one is renamed aside: with
-    ``index/`` gone, the stage goes into place; with both there, the stage is
-    dropped (the damage is found, and salvaged, again).
-    """
-    stage = root / _INDEX_STAGE
-    if not stage.exists():
-        return
-    try:
-        if (root / INDEX_DIR).exists():
-            shutil.rmtree(stage)
-        else:
-            os.rename(stage, root / INDEX_DIR)
-        fsync_dir(root)
-    except OSError as e:
-        raise IOFailure(f"cannot finish the index swap in {root}", e.errno) from e
-
-
-def _create_store(root: Path, config: StoreConfig) -> None:
-    """Build a new store under a temporary name, then rename it into place.
-
-    A crash at any point leaves either no store or a whole one (a leftover
-    ``.<name>.creating-*`` directory is ignored and may be removed).
-    """
-    root = root.absolute()
-    if root.exists():
-        if not root.is_dir():
-            raise ValueError(f"{root} exists and is not a directory")
-        if any(root.iterdir()):
-            raise ValueError(f"{root} exists, is not empty, and is not a kvstore")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(mode=0o700)
-    try:
-        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
-            (tmp / name).mkdir(mode=0o700)
-        store_uuid = uuid.uuid4().bytes
-        superblock = Superblock(
-            store_uuid,
-            time.time_ns(),
-            config.segment_bytes,
-            config.max_page_bytes,
-            config.capacity_bytes or 0,
-        )
-        write_file_durably(tmp / SUPERBLOCK_NAME, encode_superblock(superblock))
-        env = IndexEnv(tmp / INDEX_DIR, readonly=False, create=True)
-        try:
-
-            def body(txn: Any) -> None:
-                from kvstore.index.lmdb_env import encode_meta_u64
-
-                for key, value in (
-                    (META_CHECKPOINT_LSN, 1),
-                    (META_LSN_LEASE, 2),
-                    (META_PAGE_COUNT, 0),
-                    (META_NEXT_SEGMENT, 1),
-                ):
-                    txn.put(key, encode_meta_u64(key, value), db=env.meta)
-
-            env.write(body)
-        finally:
-            env.close()
-        WalWriter(tmp, store_uuid, 1, 0).close()
-        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
-            fsync_dir(tmp / name)
-        fsync_dir(tmp)
-        if root.exists():
-            root.rmdir()
-        os.rename(tmp, root)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(root.parent)

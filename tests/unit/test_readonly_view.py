@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import kvstore.lifecycle as lifecycle_module
 import kvstore.log.wal as wal_module
 import kvstore.store as store_module
 from kvstore import CorruptionError, KVStore
@@ -118,7 +119,7 @@ def test_a_segment_freed_during_the_open_is_left_out_of_the_view(
     writer.call("checkpoint")
     doomed = first_segment_keys(writer, old)
     doomed_segment = writer.call("segments", keys=doomed[:1])["segments"][0]
-    real_open = store_module.open_segment
+    real_open = lifecycle_module.open_segment
 
     def open_after_a_free(root: Path, segment_id: int, *args: Any, **kwargs: Any) -> Any:
         if segment_id == doomed_segment:  # the view has it; the writer frees it now
@@ -126,7 +127,7 @@ def test_a_segment_freed_during_the_open_is_left_out_of_the_view(
             assert writer.call("gc")["freed"] >= 1
         return real_open(root, segment_id, *args, **kwargs)
 
-    monkeypatch.setattr(store_module, "open_segment", open_after_a_free)
+    monkeypatch.setattr(lifecycle_module, "open_segment", open_after_a_free)
     # Before: CorruptionError "segment N is in the index but ... is missing".
     with KVStore.open(store_path, readonly=True) as reader:
         assert reader.get(doomed[0]) is None

@@ -1,0 +1,450 @@
+"""Creating, opening and repairing a store: the steps of ``KVStore.open`` that run
+once, before the store serves anything (docs/design.md, "Layers").
+
+``KVStore.__init__`` calls into here; these functions set the store's private
+state (this module and store.py are the only ones that may, tests/unit/test_layering.py).
+Nothing here runs after the open returns, so no lock is taken: the threads start last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import CorruptionError, IOFailure, KVStoreError
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
+from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
+from kvstore.format.records import Superblock, encode_superblock
+from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
+from kvstore.index.recovery import (
+    Recovered,
+    apply_delete,
+    entries_in_segments,
+    live_segments_now,
+    recover_index,
+)
+from kvstore.index.salvage import salvage_index
+from kvstore.index.table import (
+    META_CHECKPOINT_LSN,
+    META_LSN_LEASE,
+    META_NEXT_SEGMENT,
+    META_PAGE_COUNT,
+    SegmentState,
+)
+from kvstore.io.engine import resolve_choice
+from kvstore.io.files import fsync_dir, write_file_durably
+from kvstore.log.segment_reader import verify_record
+from kvstore.log.segments import (
+    Segment,
+    list_segment_files,
+    open_segment,
+    open_untrusted_segment,
+)
+from kvstore.log.wal import WalWriter, list_wal_files
+from kvstore.space.policies import POLICIES
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
+
+__all__ = [
+    "Degraded",
+    "check_config",
+    "choose_active_segment",
+    "create_store",
+    "finish_index_swap",
+    "open_view_segment",
+    "quarantine_segments",
+    "recover",
+    "salvage_damaged_index",
+    "view_moved",
+]
+
+# A read-only open takes a new view this many times while the writer's checkpoints
+# keep deleting the WAL files its view starts from.
+VIEW_ATTEMPTS = 10
+
+
+@dataclasses.dataclass(slots=True)
+class Degraded:
+    """What this open could not vouch for (``stats()``; docs/operations.md, "Degraded open")."""
+
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    segments: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> why
+    served: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> pages verified
+    pages: int = 0  # dropped: misses
+    salvaged_pages: int = 0
+    damaged_wal_headers: int = 0
+    salvaged_wal_records: int = 0
+    index_salvaged: bool = False
+
+
+def recover(store: KVStore) -> Recovered:
+    """The index as of one point in time: for a read-only open, one pinned LMDB
+    read transaction and the WAL after its checkpoint (see ``_view_moved``)."""
+    attempts = VIEW_ATTEMPTS if store.readonly else 1
+    for attempt in range(attempts):
+        if store.readonly:
+            store._env.pin()
+        try:
+            recovered = recover_index(store._env, store.root, store.superblock.store_uuid)
+            break
+        except (CorruptionError, FileNotFoundError) as e:
+            # A read-only open can race the writer's checkpoint deleting WAL files;
+            # that is a view that moved, never damage: take a new one.
+            if attempt < attempts - 1 and store.readonly and view_moved(store):
+                continue
+            if isinstance(e, FileNotFoundError):
+                raise CorruptionError(
+                    f"a file of {store.root} vanished or is a dangling link "
+                    f"({e.filename}); run `kvstore recover PATH`"
+                ) from e
+            raise
+    if not store.readonly:
+        _repair_after_crash(store, recovered)
+    return recovered
+
+
+def view_moved(store: KVStore) -> bool:
+    """Read-only: whether the writer has checkpointed since this view was pinned.
+
+    Only a checkpoint deletes WAL files, and only those below its own
+    ``checkpoint_lsn``: while the pinned checkpoint is still the newest, every
+    WAL file from it on must be there, so a failure to read them is damage.
+    """
+    try:
+        with store._env.read() as txn:
+            pinned = store._env.get_meta(txn, META_CHECKPOINT_LSN, 0)
+        return store._env.fresh_meta(META_CHECKPOINT_LSN, 0) != pinned
+    except KVStoreError:
+        return False
+
+
+def open_view_segment(store: KVStore, segment_id: int, state: SegmentState) -> Segment | None:
+    """Open a segment of the recovered index; None (read-only only) if the live
+    writer has freed it since the view was taken (its file gone or reused)."""
+    try:
+        return open_segment(
+            store.root,
+            segment_id,
+            state.generation,
+            state.head_bytes,
+            store_uuid=store.superblock.store_uuid,
+            direct=store.direct_io,
+            readonly=store.readonly,
+        )
+    except (CorruptionError, IOFailure) as e:
+        if not store.readonly or (isinstance(e, IOFailure) and e.errno != errno.ENOENT):
+            raise
+        # A state read earlier in this open may predate this free: one that says
+        # "freed" stays true (a segment id is never reused), "live" is re-read.
+        for fresh in (False, True):
+            if fresh or store._live_now is None:
+                store._live_now = live_segments_now(
+                    store._env, store.root, store.superblock.store_uuid
+                )
+            if store._live_now is not None and (
+                store._live_now.get(segment_id) != state.generation
+            ):
+                return None
+        raise  # still live (or cannot tell): the file really is missing or wrong
+
+
+def salvage_damaged_index(store: KVStore, error: IndexDamagedError) -> IndexEnv:
+    """Rebuild a structurally damaged LMDB index from what still verifies in it.
+
+    LMDB must not read the file (it trusts its pages); kvstore/index/salvage.py
+    reads it instead and keeps only checksummed values from sound, reachable,
+    non-free pages of the current tree. A writer swaps the rebuilt index in
+    (the damaged one is kept as ``index.damaged-<ts>/``; an interrupted swap is
+    finished by the next open); a read-only open uses a private copy for its
+    own life and changes nothing in the store.
+    """
+    root = store.root
+    if store.readonly:
+        store._salvage_dir = Path(tempfile.mkdtemp(prefix="kvstore-salvage-"))
+        target = store._salvage_dir / INDEX_DIR
+    else:
+        target = root / INDEX_STAGE
+        if target.exists():
+            shutil.rmtree(target)
+    try:
+        store._index_salvage = salvage_index(
+            root / INDEX_DIR / "data.mdb", target, root, store.superblock, error.problems
+        )
+    except (OSError, KVStoreError) as e:
+        raise CorruptionError(
+            f"{error.args[0]}; salvaging it failed too ({e}); run `kvstore recover PATH`"
+        ) from e
+    if not store.readonly:
+        try:
+            fsync_dir(target)
+            fsync_dir(root)
+            aside = root / f"{INDEX_DIR}.damaged-{int(time.time())}"
+            n = 1
+            while aside.exists():
+                aside = aside.with_name(f"{INDEX_DIR}.damaged-{int(time.time())}.{n}")
+                n += 1
+            os.rename(root / INDEX_DIR, aside)
+            os.rename(target, root / INDEX_DIR)
+            fsync_dir(root)
+        except OSError as e:
+            raise IOFailure(f"cannot swap the salvaged index into {root}", e.errno) from e
+        store._index_salvage.notes.append(f"the damaged index was kept as {aside.name}/")
+        target = root / INDEX_DIR
+    return IndexEnv(target, readonly=store.readonly)
+
+
+def quarantine_segments(store: KVStore, damaged: dict[int, str]) -> None:
+    """Keep serving what a damaged segment still holds, verified; drop the rest.
+
+    A segment whose header is damaged (or names another id, generation or
+    store), whose file is short, or whose file is missing cannot be vouched for
+    as a whole. Its records can: each names its key, segment, offset,
+    generation and LSN and carries its checksums. Every page the index places
+    in such a segment is read and verified completely against its entry now;
+    those that pass are served (and verified again on every read), the rest
+    become misses (an in-memory delete at the page's own LSN, which the next
+    checkpoint makes durable). The segment is opened read-only and sealed: no
+    put, move or recycle ever writes into it (GC may still move its verified
+    pages out and then remove the file). With its file gone, the segment is
+    dropped. The damage stays on disk until then, so the next open finds it
+    again, deterministically. Counted in ``stats()``.
+    """
+    quarantine = store._degraded
+    for segment_id, why in sorted(damaged.items()):
+        state = store._segment_states[segment_id]
+        segment = open_untrusted_segment(
+            store.root,
+            segment_id,
+            state.generation,
+            state.head_bytes,
+            size_bytes=store.config.segment_bytes,
+            direct=store.direct_io,
+        )
+        if segment is not None:
+            try:
+                file_bytes = os.fstat(segment.fd).st_size
+            except OSError:
+                file_bytes = 0
+            # A short file: GC must not scan past what is there.
+            state.head_bytes = max(BLOCK_BYTES, min(state.head_bytes, file_bytes))
+            state.head_bytes -= state.head_bytes % BLOCK_BYTES
+            state.state = SEGMENT_SEALED
+            store._segments[segment_id] = segment
+        quarantine.segments[segment_id] = why
+    served: Counter[int] = Counter()
+    lost: Counter[int] = Counter()
+    for key, entry in entries_in_segments(store._table, set(damaged)):
+        segment = store._segments.get(entry.segment_id)
+        state = store._segment_states[entry.segment_id]
+        if (
+            segment is not None
+            and entry.offset + entry.span_bytes <= state.head_bytes  # inside the file
+            and _verifies(store, segment, key, entry)
+        ):
+            served[entry.segment_id] += 1
+            continue
+        apply_delete(store._table, store._segment_states, key, entry.lsn)
+        store._retains.discard(key)
+        lost[entry.segment_id] += 1
+    quarantine.salvaged_pages += sum(served.values())
+    quarantine.served.update(served)
+    quarantine.pages += sum(lost.values())
+    for segment_id, why in sorted(damaged.items()):
+        if segment_id not in store._segments:  # no file: nothing of it is left
+            del store._segment_states[segment_id]
+            store._dropped_segments.append(segment_id)
+        reason = (
+            f"segment {segment_id:016x}.seg quarantined ({why}): {served[segment_id]} "
+            f"of its pages verified and are served, {lost[segment_id]} are misses"
+        )
+        quarantine.reasons.append(reason)
+        store.recovery_notes.append(reason)
+
+
+def _verifies(store: KVStore, segment: Segment, key: bytes, entry: PageEntry) -> bool:
+    """Whether ``entry``'s record reads back whole and matches it (the read path's
+    own check)."""
+    buffer = store._buffers.acquire(entry.span_bytes)
+    try:
+        try:
+            result = os.preadv(segment.fd, [buffer.view[: entry.span_bytes]], entry.offset)
+        except OSError:
+            return False
+        try:
+            verify_record(
+                key, entry, buffer.view, result, max_page_bytes=store.config.max_page_bytes
+            )
+        except KVStoreError:
+            return False
+        return True
+    finally:
+        store._buffers.release(buffer)
+
+
+def _repair_after_crash(store: KVStore, recovered: Recovered) -> None:
+    """Cut torn WAL tails, drop WAL files below the checkpoint and orphan segments."""
+    try:
+        _repair_files(store, recovered)
+    except OSError as e:
+        raise IOFailure(f"cannot repair {store.root} after a crash", e.errno) from e
+
+
+def _repair_files(store: KVStore, recovered: Recovered) -> None:
+    root = store.root
+    kept = []
+    for wal_file in recovered.wal_files:
+        if wal_file.torn_tail == "header never written":
+            wal_file.path.unlink()
+            continue
+        if wal_file.valid_end < wal_file.file_bytes:
+            with open(wal_file.path, "r+b") as handle:
+                handle.truncate(wal_file.valid_end)
+                handle.flush()
+                os.fsync(handle.fileno())
+        kept.append(wal_file)
+    recovered.wal_files = kept
+    for first_lsn, path in list_wal_files(root):
+        if first_lsn < recovered.checkpoint_lsn:
+            path.unlink()
+    fsync_dir(root / WAL_DIR)
+    for segment_id, path in list_segment_files(root).items():
+        if segment_id not in recovered.segments:
+            if path.is_dir() and not path.is_symlink():
+                recovered.notes.append(f"left directory {path.name} (not a segment) alone")
+                continue
+            # Created, but its SEGMENT_OPEN never became durable: nothing points in.
+            path.unlink()
+            recovered.notes.append(f"removed orphan segment file {path.name}")
+    for entry in os.scandir(root / SEGMENTS_DIR):
+        if entry.name.endswith(".tmp") or entry.name.startswith("."):
+            if entry.is_dir(follow_symlinks=False):
+                recovered.notes.append(f"left directory {entry.name} in segments/ alone")
+                continue
+            os.unlink(entry.path)
+    fsync_dir(root / SEGMENTS_DIR)
+
+
+def choose_active_segment(store: KVStore) -> None:
+    for segment_id in sorted(store._segments, reverse=True):
+        segment = store._segments[segment_id]
+        state = store._segment_states[segment_id]
+        if state.state == SEGMENT_ACTIVE and segment.remaining() > BLOCK_BYTES:
+            # Resume at the durable head: whatever a crash left past it is reclaimed.
+            store._active = segment
+            break
+    for segment_id, state in store._segment_states.items():
+        if store._active is None or segment_id != store._active.segment_id:
+            state.state = SEGMENT_SEALED
+
+
+def check_config(config: StoreConfig, *, probe_engine: bool) -> None:
+    """``config.validate()`` plus the names it cannot check (they are registered in
+    higher layers); with ``probe_engine``, also that an explicit ``io_engine="io_uring"``
+    runs here (the probe is cached, so the open that follows pays nothing for it)."""
+    config.validate()
+    kind, binding, _ = resolve_choice(config.io_engine, config.uring_binding)
+    if config.eviction_policy not in POLICIES:
+        raise ValueError(
+            f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
+            f"got {config.eviction_policy!r}"
+        )
+    if probe_engine and kind == "io_uring":
+        from kvstore.io.probe import probe_uring
+
+        verdict = probe_uring(binding)
+        if not verdict.ok:
+            raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
+
+
+INDEX_STAGE = "index.salvage"
+"""Where a writer builds a salvaged index before swapping it in (docs/format.md)."""
+
+
+def finish_index_swap(root: Path) -> None:
+    """Finish, or undo, a salvaged-index swap a crash interrupted.
+
+    The staged index is complete before the damaged one is renamed aside: with
+    ``index/`` gone, the stage goes into place; with both there, the stage is
+    dropped (the damage is found, and salvaged, again).
+    """
+    stage = root / INDEX_STAGE
+    if not stage.exists():
+        return
+    try:
+        if (root / INDEX_DIR).exists():
+            shutil.rmtree(stage)
+        else:
+            os.rename(stage, root / INDEX_DIR)
+        fsync_dir(root)
+    except OSError as e:
+        raise IOFailure(f"cannot finish the index swap in {root}", e.errno) from e
+
+
+def create_store(root: Path, config: StoreConfig) -> None:
+    """Build a new store under a temporary name, then rename it into place.
+
+    A crash at any point leaves either no store or a whole one (a leftover
+    ``.<name>.creating-*`` directory is ignored and may be removed).
+    """
+    root = root.absolute()
+    if root.exists():
+        if not root.is_dir():
+            raise ValueError(f"{root} exists and is not a directory")
+        if any(root.iterdir()):
+            raise ValueError(f"{root} exists, is not empty, and is not a kvstore")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(mode=0o700)
+    try:
+        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
+            (tmp / name).mkdir(mode=0o700)
+        store_uuid = uuid.uuid4().bytes
+        superblock = Superblock(
+            store_uuid,
+            time.time_ns(),
+            config.segment_bytes,
+            config.max_page_bytes,
+            config.capacity_bytes or 0,
+        )
+        write_file_durably(tmp / SUPERBLOCK_NAME, encode_superblock(superblock))
+        env = IndexEnv(tmp / INDEX_DIR, readonly=False, create=True)
+        try:
+
+            def body(txn: Any) -> None:
+                from kvstore.index.lmdb_env import encode_meta_u64
+
+                for key, value in (
+                    (META_CHECKPOINT_LSN, 1),
+                    (META_LSN_LEASE, 2),
+                    (META_PAGE_COUNT, 0),
+                    (META_NEXT_SEGMENT, 1),
+                ):
+                    txn.put(key, encode_meta_u64(key, value), db=env.meta)
+
+            env.write(body)
+        finally:
+            env.close()
+        WalWriter(tmp, store_uuid, 1, 0).close()
+        for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
+            fsync_dir(tmp / name)
+        fsync_dir(tmp)
+        if root.exists():
+            root.rmdir()
+        os.rename(tmp, root)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root.parent)
