@@ -496,7 +496,7 @@ def _check_degraded(run: _Run) -> None:
         return
     for segment_id, why in sorted(found.segments.items()):
         served = found.served.get(segment_id, 0)
-        segment = store._segments.get(segment_id)
+        segment = store._state.segments.get(segment_id)
         existing = [
             f for f in run.findings if f.kind == "segment-header" and f.segment_id == segment_id
         ]
@@ -580,9 +580,9 @@ def _rewrite_segment_header(store: KVStore, segment_id: int) -> None:
     from kvstore.format.records import SegmentHeader
     from kvstore.log.segments import rewrite_segment_header
 
-    with store._lock:
-        state = store._segment_states[segment_id]
-        segment = store._segments[segment_id]
+    with store._state.lock:
+        state = store._state.segment_states[segment_id]
+        segment = store._state.segments[segment_id]
     rewrite_segment_header(
         segment.path,
         SegmentHeader(
@@ -632,13 +632,13 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
     try:
         for key, entry in entries:
             where = {"segment_id": entry.segment_id, "offset": entry.offset, "key": key}
-            with store._lock:
-                segment = store._segments.get(entry.segment_id)
-                state = store._segment_states.get(entry.segment_id)
+            with store._state.lock:
+                segment = store._state.segments.get(entry.segment_id)
+                state = store._state.segment_states.get(entry.segment_id)
                 if segment is not None and state is not None:
-                    store._segment_readers[entry.segment_id] += 1
+                    store._state.segment_readers[entry.segment_id] += 1
                     held[entry.segment_id] += 1
-            if segment is None and entry.segment_id in store._gone_segments:
+            if segment is None and entry.segment_id in store._state.gone_segments:
                 run.changed += 1  # read-only: the live writer freed it before the open
                 continue
             if segment is None or state is None or state.generation != entry.generation:
@@ -682,7 +682,7 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
         for key, entry, finding in _verify_targets(run, targets):
             to_delete.append((key, entry, finding))
     finally:
-        with store._lock:
+        with store._state.lock:
             for segment_id, count in held.items():
                 for _ in range(count):
                     store._release_reader(segment_id)
@@ -812,8 +812,8 @@ def _check_accounting(run: _Run) -> None:
                 pages[entry.segment_id] += 1
         except (lmdb.Error, KVStoreError):
             return  # reported as index-unreadable
-        with store._lock:
-            for segment_id, state in sorted(store._segment_states.items()):
+        with store._state.lock:
+            for segment_id, state in sorted(store._state.segment_states.items()):
                 if state.live_bytes == live[segment_id] and state.live_pages == pages[segment_id]:
                     continue
                 message = (
@@ -842,15 +842,15 @@ def _check_files(run: _Run) -> None:
         TIERING_STATS_NAME,
         TIERING_STATS_TMP_NAME,
     }
-    with store.internals.writers_frozen(), store._cond:
-        while store._preparing:
-            store._cond.wait()
-        spare = store._spare
+    with store.internals.writers_frozen(), store._state.cond:
+        while store._state.preparing:
+            store._state.cond.wait()
+        spare = store._state.spare
         spare_id = spare.segment_id if spare is not None else None
-        known = set(store._segment_states)
+        known = set(store._state.segment_states)
         # A live writer beside a read-only open makes segments (and a spare) after
         # the open; their ids are at or past this open's next_segment_id.
-        next_id = store._next_segment_id if _writer_may_be_live(store) else None
+        next_id = store._state.next_segment_id if _writer_may_be_live(store) else None
         orphans: list[tuple[int, Path]] = []
         try:
             for entry in os.scandir(root / SEGMENTS_DIR):
@@ -938,7 +938,7 @@ def _check_wal(run: _Run) -> None:
     root = store.root
     lock = store._checkpoint_lock if not store.readonly else contextlib.nullcontext()
     with lock:
-        checkpoint_lsn = store._checkpoint_lsn
+        checkpoint_lsn = store._state.checkpoint_lsn
         wal_findings = _wal_findings(root, store.superblock.store_uuid, checkpoint_lsn)
         if wal_findings and run.live_writer and store.internals.view_moved():
             # The writer checkpointed since the view and deleted the WAL files the
@@ -1004,8 +1004,8 @@ def _wal_findings(root: Path, store_uuid: bytes, checkpoint_lsn: int) -> list[Fi
 
 def _check_retains(run: _Run) -> None:
     store = run.store
-    with store._lock:
-        retained = sorted(store._retains)
+    with store._state.lock:
+        retained = sorted(store._state.retains)
     for key in retained:
         try:
             live = store.internals.entry(key) is not None

@@ -222,7 +222,7 @@ def quarantine_segments(store: KVStore, damaged: dict[int, str]) -> None:
     """
     quarantine = store._degraded
     for segment_id, why in sorted(damaged.items()):
-        state = store._segment_states[segment_id]
+        state = store._state.segment_states[segment_id]
         segment = open_untrusted_segment(
             store.root,
             segment_id,
@@ -240,13 +240,13 @@ def quarantine_segments(store: KVStore, damaged: dict[int, str]) -> None:
             state.head_bytes = max(BLOCK_BYTES, min(state.head_bytes, file_bytes))
             state.head_bytes -= state.head_bytes % BLOCK_BYTES
             state.state = SEGMENT_SEALED
-            store._segments[segment_id] = segment
+            store._state.segments[segment_id] = segment
         quarantine.segments[segment_id] = why
     served: Counter[int] = Counter()
     lost: Counter[int] = Counter()
-    for key, entry in entries_in_segments(store._table, set(damaged)):
-        segment = store._segments.get(entry.segment_id)
-        state = store._segment_states[entry.segment_id]
+    for key, entry in entries_in_segments(store._state.table, set(damaged)):
+        segment = store._state.segments.get(entry.segment_id)
+        state = store._state.segment_states[entry.segment_id]
         if (
             segment is not None
             and entry.offset + entry.span_bytes <= state.head_bytes  # inside the file
@@ -254,16 +254,16 @@ def quarantine_segments(store: KVStore, damaged: dict[int, str]) -> None:
         ):
             served[entry.segment_id] += 1
             continue
-        apply_delete(store._table, store._segment_states, key, entry.lsn)
-        store._retains.discard(key)
+        apply_delete(store._state.table, store._state.segment_states, key, entry.lsn)
+        store._state.retains.discard(key)
         lost[entry.segment_id] += 1
     quarantine.salvaged_pages += sum(served.values())
     quarantine.served.update(served)
     quarantine.pages += sum(lost.values())
     for segment_id, why in sorted(damaged.items()):
-        if segment_id not in store._segments:  # no file: nothing of it is left
-            del store._segment_states[segment_id]
-            store._dropped_segments.append(segment_id)
+        if segment_id not in store._state.segments:  # no file: nothing of it is left
+            del store._state.segment_states[segment_id]
+            store._state.dropped_segments.append(segment_id)
         reason = (
             f"segment {segment_id:016x}.seg quarantined ({why}): {served[segment_id]} "
             f"of its pages verified and are served, {lost[segment_id]} are misses"
@@ -336,15 +336,15 @@ def _repair_files(store: KVStore, recovered: Recovered) -> None:
 
 
 def choose_active_segment(store: KVStore) -> None:
-    for segment_id in sorted(store._segments, reverse=True):
-        segment = store._segments[segment_id]
-        state = store._segment_states[segment_id]
+    for segment_id in sorted(store._state.segments, reverse=True):
+        segment = store._state.segments[segment_id]
+        state = store._state.segment_states[segment_id]
         if state.state == SEGMENT_ACTIVE and segment.remaining() > BLOCK_BYTES:
             # Resume at the durable head: whatever a crash left past it is reclaimed.
-            store._active = segment
+            store._state.active = segment
             break
-    for segment_id, state in store._segment_states.items():
-        if store._active is None or segment_id != store._active.segment_id:
+    for segment_id, state in store._state.segment_states.items():
+        if store._state.active is None or segment_id != store._state.active.segment_id:
             state.state = SEGMENT_SEALED
 
 

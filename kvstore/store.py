@@ -125,7 +125,8 @@ from kvstore.log.segments import (
     recycle_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.policies import EvictionPolicy, SegmentView, make_policy
+from kvstore.space.policies import SegmentView, make_policy
+from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
 from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
@@ -248,7 +249,6 @@ class KVStore:
         self.readonly = readonly
         self._closed = False
         self._lock_fd = -1
-        self._failed: WriterFailedError | None = None
         try:  # never more than a block, and never a FIFO or device (open(2) could block)
             superblock = decode_superblock(read_regular(root / SUPERBLOCK_NAME, BLOCK_BYTES))
         except OSError as e:
@@ -308,40 +308,38 @@ class KVStore:
             self._env.close()
             self._env = lifecycle.salvage_damaged_index(self, e)
             recovered = lifecycle.recover(self)
-        self._table = recovered.table
-        self._segment_states = recovered.segments
-        self._next_segment_id = recovered.next_segment_id
-        self._checkpoint_lsn = recovered.checkpoint_lsn
         self.recovery_notes = list(recovered.notes)
         self.replayed_records = recovered.replayed_records
-        self._lock = threading.Lock()  # the state lock: innermost (docs/design.md)
-        self._cond = threading.Condition(self._lock)
-        self._recorder = Recorder(root, config, self._env, self._lock, readonly=self.readonly)
+        lock = threading.Lock()
+        self._recorder = Recorder(root, config, self._env, lock, readonly=self.readonly)
         self.recovery_notes.extend(self._recorder.notes)
-        self._tv = self._recorder.values  # the one counter vector, counted in under _lock
-        # Never reissue an LSN that a crashed writer may have stamped on a record.
-        self._next_lsn = recovered.lsn_lease
-        self._lease_until = self._next_lsn
-        self._durable_lsn = self._next_lsn - 1
-        self._segments: dict[int, Segment] = {}
-        # Read-only: segments of this view the live writer freed before they could
-        # be opened. Their pages are misses (docs/operations.md, "Readers").
-        self._gone_segments: set[int] = set()
+        capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
+        self._state = StoreState(
+            lock=lock,
+            table=recovered.table,
+            segment_states=recovered.segments,
+            next_segment_id=recovered.next_segment_id,
+            checkpoint_lsn=recovered.checkpoint_lsn,
+            lsn_lease=recovered.lsn_lease,
+            retains=recovered.retains,
+            dropped_segments=list(recovered.dropped_segments),
+            capacity_bytes=capacity,
+            segment_bytes=config.segment_bytes,
+            policy=make_policy(config.eviction_policy),
+            tv=self._recorder.values,
+        )
         damaged: dict[int, str] = {}
-        for segment_id, state in sorted(self._segment_states.items()):
+        for segment_id, state in sorted(self._state.segment_states.items()):
             try:
                 segment = lifecycle.open_view_segment(self, segment_id, state)
             except CorruptionError as e:  # damaged header, another identity, missing, short
                 damaged[segment_id] = e.args[0] if e.args else type(e).__name__
                 continue
             if segment is None:
-                del self._segment_states[segment_id]
-                self._gone_segments.add(segment_id)
+                del self._state.segment_states[segment_id]
+                self._state.gone_segments.add(segment_id)
             else:
-                self._segments[segment_id] = segment
-        self._active: Segment | None = None
-        self._retains: set[bytes] = recovered.retains
-        self._dropped_segments: list[int] = list(recovered.dropped_segments)
+                self._state.segments[segment_id] = segment
         self._degraded = lifecycle.Degraded(
             reasons=list(recovered.degraded),
             damaged_wal_headers=recovered.damaged_wal_headers,
@@ -360,30 +358,10 @@ class KVStore:
             self.recovery_notes.extend(salvage.notes)
         if damaged:
             lifecycle.quarantine_segments(self, damaged)
-        self._pins: dict[bytes, list[PageEntry]] = {}
-        self._segment_pins: Counter[int] = Counter()
-        self._segment_readers: Counter[int] = Counter()
-        self._segment_writers: Counter[int] = Counter()  # reserved, not yet published
-        self._policy: EvictionPolicy = make_policy(config.eviction_policy)
-        self._evictions: Counter[str] = Counter()
         self._gc_lock = threading.Lock()
-        self._spare: Segment | None = None  # made ahead by the prepare thread
-        self._preparing = False
-        self._spare_wanted = threading.Event()
         self._last_gc = time.monotonic()
-        capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
-        self._capacity_bytes = capacity
-        self._capacity_segments = capacity // config.segment_bytes if capacity else None
         self._commit_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
-        # WAL records published but not yet committed. A group commit swaps the
-        # list for a new one under ``_lock``: read it only under ``_lock``.
-        self._pending: list[bytes] = []
-        self._inflight = 0
-        self._freezing = 0
-        # A read-only view's reads of records the writer freed since the view (misses);
-        # every other counter of stats() is the telemetry vector's growth since open.
-        self._stale_reads = 0
         self._last_checkpoint = time.monotonic()
         self._wal: WalWriter | None = None
         self._stop = threading.Event()
@@ -397,7 +375,7 @@ class KVStore:
         chain = recovered.wal_files
         prev = chain[-1].first_lsn if chain else 0
         self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
-        self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
+        self._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
         self._recorder.start_session()  # counting for stats() starts once open
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
@@ -434,7 +412,7 @@ class KVStore:
         try:
             if not self.readonly and hasattr(self, "_stop"):
                 self._stop.set()
-                self._spare_wanted.set()
+                self._state.spare_wanted.set()
                 if self._prepare_thread is not None:
                     self._prepare_thread.join()
                 if self._gc_thread is not None:
@@ -443,7 +421,7 @@ class KVStore:
                     self._flusher.join()
                 if self._telemetry_thread is not None:
                     self._telemetry_thread.join()
-                if self._failed is None:
+                if self._state.failed is None:
                     self._checkpoint()  # persists the telemetry too
                 else:
                     with self._checkpoint_lock:
@@ -458,15 +436,16 @@ class KVStore:
         by the WAL (the next open removes it) and every descriptor is freed by
         the kernel whatever close() returns.
         """
-        spare = getattr(self, "_spare", None)
-        if spare is not None:  # never named by the WAL: remove it now, not at next open
-            self._spare = None
+        state: StoreState | None = getattr(self, "_state", None)
+        spare = state.spare if state is not None else None
+        if state is not None and spare is not None:  # never named by the WAL: remove it now
+            state.spare = None
             _quietly(spare.close)
             _quietly(lambda: spare.path.unlink(missing_ok=True))
         wal = getattr(self, "_wal", None)
         if wal is not None:
             _quietly(wal.close)
-        for segment in getattr(self, "_segments", {}).values():
+        for segment in state.segments.values() if state is not None else ():
             _quietly(segment.close)
         env = getattr(self, "_env", None)
         if env is not None:
@@ -492,45 +471,47 @@ class KVStore:
             raise ClosedError(f"store {self.root} is closed")
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
-        if self._failed is not None:
+        if self._state.failed is not None:
             raise WriterFailedError(
-                f"the writer stopped after an earlier failure ({self._failed}); reopen the store"
+                f"the writer stopped after an earlier failure ({self._state.failed}); "
+                "reopen the store"
             )
 
     def _wait_writable(self) -> None:
         """Raise unless writes are allowed; wait out a checkpoint's freeze. Holds ``_cond``."""
         self._check_writable()
-        while self._freezing:
-            self._cond.wait()
+        while self._state.freezing:
+            self._state.cond.wait()
             self._check_writable()
 
     def _fail(self, error: WriterFailedError) -> WriterFailedError:
-        with self._lock:
-            if self._failed is None:
-                self._failed = error
+        with self._state.lock:
+            if self._state.failed is None:
+                self._state.failed = error
         return error
 
     # -- LSNs, segments, reservation ---------------------------------------
 
     def _take_lsn(self) -> int:
         """Caller holds ``_lock`` (or is single-threaded during open)."""
-        lsn = self._next_lsn
-        self._next_lsn += 1
+        lsn = self._state.next_lsn
+        self._state.next_lsn += 1
         return lsn
 
     def _extend_lease(self) -> None:
         """Make a new LSN lease durable before any LSN past the old one is used."""
+        st = self._state
         with self._commit_lock:
-            with self._lock:
+            with st.lock:
                 self._check_writable()
-                if self._next_lsn + 2 < self._lease_until:  # the margin _reserve uses
+                if st.next_lsn + 2 < st.lease_until:  # the margin _reserve uses
                     return
                 lsn = self._take_lsn()
-                new_lease = self._next_lsn + self.config.lsn_lease_step
-                self._pending.append(encode_lsn_lease(lsn, new_lease))
+                new_lease = st.next_lsn + self.config.lsn_lease_step
+                st.pending.append(encode_lsn_lease(lsn, new_lease))
             self._commit_locked()
-            with self._lock:
-                self._lease_until = new_lease
+            with st.lock:
+                st.lease_until = new_lease
 
     def _new_segment(self, segment_id: int, generation: int) -> Segment:
         try:
@@ -551,16 +532,17 @@ class KVStore:
 
     def _spare_allowed(self) -> bool:
         """A spare segment may exist (it counts against capacity). Caller holds ``_lock``."""
-        if self._capacity_segments is None:
+        if self._state.capacity_segments is None:
             return True
-        return len(self._segments) + 1 < self._capacity_segments
+        return len(self._state.segments) + 1 < self._state.capacity_segments
 
     def _prepare_loop(self) -> None:
         """Keep one spare segment ready so rolling never waits on fallocate."""
+        st = self._state
         while not self._stop.is_set():
-            self._spare_wanted.wait(0.5)
-            self._spare_wanted.clear()
-            with self._cond:
+            st.spare_wanted.wait(0.5)
+            st.spare_wanted.clear()
+            with st.cond:
                 claimed = None if self._stop.is_set() else self._claim_spare()
             if claimed is None:
                 continue
@@ -571,66 +553,68 @@ class KVStore:
             except Exception:
                 pass  # the writer creates its next segment itself, and reports the error
             finally:
-                with self._cond:
-                    self._spare = spare
-                    self._preparing = False
+                with st.cond:
+                    st.spare = spare
+                    st.preparing = False
                     if spare is not None:
-                        self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-                    self._cond.notify_all()
+                        st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
+                    st.cond.notify_all()
 
     def _claim_spare(self) -> tuple[int, int] | None:
         """(id, generation) for a new spare, or None if one exists, is being made, or
         must not be made now (failed writer, lease exhausted, capacity). Holds ``_cond``;
         the caller must end with ``_preparing = False`` and notify."""
+        st = self._state
         if (
-            self._spare is not None
-            or self._preparing
-            or self._failed is not None
-            or self._next_lsn + 2 >= self._lease_until
+            st.spare is not None
+            or st.preparing
+            or st.failed is not None
+            or st.next_lsn + 2 >= st.lease_until
             or not self._spare_allowed()
         ):
             return None
-        self._preparing = True
-        segment_id = self._next_segment_id
-        self._next_segment_id += 1
+        st.preparing = True
+        segment_id = st.next_segment_id
+        st.next_segment_id += 1
         return segment_id, self._take_lsn()
 
     def _take_spare(self) -> Segment | None:
         """The prepared spare, if any. Caller holds ``_lock`` and made sure no spare is
         being made (``_reserve`` waits that out first, then re-checks everything)."""
-        assert not self._preparing, "a spare is being made; _reserve must wait first"
-        spare, self._spare = self._spare, None
+        assert not self._state.preparing, "a spare is being made; _reserve must wait first"
+        spare, self._state.spare = self._state.spare, None
         return spare
 
     def _roll_segment(self) -> Segment:
         """Open a fresh active segment. Caller holds ``_lock``."""
+        st = self._state
         segment = self._take_spare()
         if segment is None:
-            segment_id = self._next_segment_id
+            segment_id = st.next_segment_id
             generation = self._take_lsn()
             segment = self._new_segment(segment_id, generation)
-            self._next_segment_id += 1
-            self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
+            st.next_segment_id += 1
+            st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
         segment_id, generation = segment.segment_id, segment.generation
-        self._spare_wanted.set()
-        if self._active is not None:
-            self._segment_states[self._active.segment_id].state = SEGMENT_SEALED
-        self._segments[segment_id] = segment
-        self._segment_states[segment_id] = SegmentState(
+        st.spare_wanted.set()
+        if st.active is not None:
+            st.segment_states[st.active.segment_id].state = SEGMENT_SEALED
+        st.segments[segment_id] = segment
+        st.segment_states[segment_id] = SegmentState(
             generation, BLOCK_BYTES, 0, 0, segment.created_unix_ns, SEGMENT_ACTIVE
         )
-        self._pending.append(encode_segment_open(generation, segment_id, generation))
-        self._active = segment
+        st.pending.append(encode_segment_open(generation, segment_id, generation))
+        st.active = segment
         return segment
 
     def _may_roll(self, for_gc: bool) -> bool:
         """Whether a new segment fits the capacity. Caller holds ``_lock``."""
-        if self._capacity_segments is None:
+        if self._state.capacity_segments is None:
             return True
-        limit = self._capacity_segments
+        limit = self._state.capacity_segments
         if not for_gc:
             limit -= self.config.gc_reserve_segments
-        return len(self._segments) < limit
+        return len(self._state.segments) < limit
 
     def _reserve(
         self,
@@ -645,21 +629,22 @@ class KVStore:
         wait (a freeze, a lease extension, making room), because a checkpoint or
         sweep waits for every in-flight write, including the caller's.
         """
+        st = self._state
         room_attempts = 0
         while True:
             must_drain = False
             spare_pending = False
-            with self._cond:
+            with st.cond:
                 self._check_writable()
-                if drain is not None and self._freezing:
+                if drain is not None and st.freezing:
                     must_drain = True
-                while self._freezing and not must_drain:
-                    self._cond.wait()
+                while st.freezing and not must_drain:
+                    st.cond.wait()
                     self._check_writable()
-                needs_lease = self._next_lsn + 2 >= self._lease_until
+                needs_lease = st.next_lsn + 2 >= st.lease_until
                 needs_room = False
                 if not needs_lease and not must_drain:
-                    segment = self._active
+                    segment = st.active
                     if segment is None or segment.remaining() < span:
                         if not self._may_roll(for_gc):
                             if for_gc:
@@ -667,7 +652,7 @@ class KVStore:
                                     "GC has no free segment to relocate pages into"
                                 )
                             needs_room = True
-                        elif self._preparing:
+                        elif st.preparing:
                             # Waiting releases the lock: a freeze, the lease or the
                             # capacity may change meanwhile, so wait outside and
                             # start over rather than roll on stale checks.
@@ -679,16 +664,16 @@ class KVStore:
                         offset = segment.head
                         segment.head += span
                         lsn = self._take_lsn()
-                        self._inflight += 1
-                        self._segment_writers[segment.segment_id] += 1
+                        st.inflight += 1
+                        st.segment_writers[segment.segment_id] += 1
                         return segment, offset, lsn
             if drain is not None and (must_drain or needs_lease or needs_room or spare_pending):
                 drain()
                 drain = None  # nothing of the caller's is in flight any more
             if spare_pending:
-                with self._cond:
-                    while self._preparing:
-                        self._cond.wait()
+                with st.cond:
+                    while st.preparing:
+                        st.cond.wait()
                 continue
             if must_drain:
                 continue
@@ -697,7 +682,7 @@ class KVStore:
             elif needs_room:
                 if room_attempts >= 2:
                     raise StoreFullError(
-                        f"store is full ({self._capacity_bytes} bytes) and nothing can be "
+                        f"store is full ({st.capacity_bytes} bytes) and nothing can be "
                         "evicted: every remaining page is pinned or retained"
                     )
                 room_attempts += 1
@@ -705,12 +690,13 @@ class KVStore:
 
     def _finish_inflight(self, segment_id: int) -> None:
         """A reserved write into ``segment_id`` is done (or abandoned). Caller holds ``_lock``."""
-        self._segment_writers[segment_id] -= 1
-        if not self._segment_writers[segment_id]:
-            del self._segment_writers[segment_id]
-        self._inflight -= 1
-        if self._inflight == 0 and self._freezing:
-            self._cond.notify_all()
+        st = self._state
+        st.segment_writers[segment_id] -= 1
+        if not st.segment_writers[segment_id]:
+            del st.segment_writers[segment_id]
+        st.inflight -= 1
+        if st.inflight == 0 and st.freezing:
+            st.cond.notify_all()
 
     # -- writes --------------------------------------------------------------
 
@@ -734,6 +720,7 @@ class KVStore:
         policy declining the page). Items are validated before anything is
         written, so a bad item raises without storing any of the batch.
         """
+        st = self._state
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
@@ -751,12 +738,12 @@ class KVStore:
         admitted: list[bool] | None = None
         if self._recorder.budget is not None:
             spans = [record_span(view.nbytes) for _, view, _ in prepared]
-            with self._lock:
-                admitted = self._recorder.budget.admit(spans, tc.store_bytes(self._tv))
+            with st.lock:
+                admitted = self._recorder.budget.admit(spans, tc.store_bytes(st.tv))
                 for ok, (_, view, _) in zip(admitted, prepared, strict=True):
                     if not ok:
-                        self._tv[tc.DECLINED_PUTS] += 1
-                        self._tv[tc.DECLINED_BYTES] += view.nbytes
+                        st.tv[tc.DECLINED_PUTS] += 1
+                        st.tv[tc.DECLINED_BYTES] += view.nbytes
             prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
         queue = self._engine.queue()
         in_flight: dict[int, _PendingWrite] = {}
@@ -871,7 +858,7 @@ class KVStore:
 
     def _abandon_reserved(self, pages: list[_PendingPut]) -> None:
         """Release the reservations of pages that were never written."""
-        with self._lock:
+        with self._state.lock:
             for page in pages:
                 self._finish_inflight(page.segment.segment_id)
 
@@ -879,6 +866,7 @@ class KVStore:
         self, queue: IOQueue, in_flight: dict[int, _PendingWrite], wanted: int
     ) -> KVStoreError | None:
         """Reap write completions and publish the pages of writes that completed whole."""
+        st = self._state
         completions = queue.wait(wanted)
         error: KVStoreError | None = None
         records: list[bytes | None] = []
@@ -914,14 +902,18 @@ class KVStore:
                     )
             published.extend(write.pages)
         done_ns = time.perf_counter_ns()
-        tv = self._tv
-        table, states, on_put = self._table, self._segment_states, self._policy.on_put
-        with self._lock:
+        tv = st.tv
+        table, states, on_put = (
+            st.table,
+            st.segment_states,
+            st.policy.on_put,
+        )
+        with st.lock:
             # Read under the same lock as the publish: a group commit swaps the
             # list out under this lock, and a record appended to a list taken
             # before it would be written by nobody while its page is readable
             # and the next flush() returns (issue 13).
-            pending_records = self._pending
+            pending_records = st.pending
             for pending in published:
                 self._finish_inflight(pending.segment.segment_id)
             puts = host = spans = 0
@@ -949,21 +941,22 @@ class KVStore:
 
     def delete(self, key: Key) -> bool:
         """Delete ``key``; True if it was present. Durable like a plain put."""
+        st = self._state
         raw = key_bytes(key)
-        with self._cond:
+        with st.cond:
             self._wait_writable()
-            if self._table.get(raw) is None:
+            if st.table.get(raw) is None:
                 return False
-            if self._next_lsn + 2 >= self._lease_until:
+            if st.next_lsn + 2 >= st.lease_until:
                 lease_needed = True
             else:
                 lease_needed = False
                 lsn = self._take_lsn()
-                apply_delete(self._table, self._segment_states, raw, lsn)
-                self._pending.append(encode_delete(lsn, raw))
-                self._retains.discard(raw)
-                self._policy.on_delete(raw)
-                self._tv[tc.DELETES] += 1
+                apply_delete(st.table, st.segment_states, raw, lsn)
+                st.pending.append(encode_delete(lsn, raw))
+                st.retains.discard(raw)
+                st.policy.on_delete(raw)
+                st.tv[tc.DELETES] += 1
                 return True
         if lease_needed:
             self._extend_lease()
@@ -995,17 +988,18 @@ class KVStore:
         commit's alone: it writes all of them, puts them back (nothing reached the
         WAL), or stops the writer. It never returns having dropped one.
         """
+        st = self._state
         assert self._wal is not None
-        with self._lock:
-            if self._failed is not None:
+        with st.lock:
+            if st.failed is not None:
                 raise WriterFailedError(
-                    f"the writer stopped after an earlier failure ({self._failed}); reopen"
+                    f"the writer stopped after an earlier failure ({st.failed}); reopen"
                 )
-            records, self._pending = self._pending, []
-            dirty = [segment for segment in self._segments.values() if segment.dirty]
+            records, st.pending = st.pending, []
+            dirty = [segment for segment in st.segments.values() if segment.dirty]
             for segment in dirty:
                 segment.dirty = False
-            lsn_mark = self._next_lsn - 1
+            lsn_mark = st.next_lsn - 1
         if not records and not dirty:
             return
         started_ns = time.perf_counter_ns()
@@ -1018,8 +1012,8 @@ class KVStore:
         except BaseException:
             # Interrupted (KeyboardInterrupt, MemoryError) before the WAL saw any of
             # it: the next commit takes the records and the segments' syncs over.
-            with self._lock:
-                self._pending[:0] = records
+            with st.lock:
+                st.pending[:0] = records
                 for segment in dirty:
                     segment.dirty = True
             raise
@@ -1035,12 +1029,12 @@ class KVStore:
                     WriterFailedError(f"a WAL append was interrupted ({type(e).__name__}: {e})")
                 )
                 raise
-        with self._lock:
-            self._durable_lsn = max(self._durable_lsn, lsn_mark)
-            self._tv[tc.COMMITS] += 1
-            tc.observe(self._tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
+        with st.lock:
+            st.durable_lsn = max(st.durable_lsn, lsn_mark)
+            st.tv[tc.COMMITS] += 1
+            tc.observe(st.tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
             if joined:
-                self._tv[tc.WAL] += len(joined)
+                st.tv[tc.WAL] += len(joined)
 
     def checkpoint(self) -> None:
         """Write the overlay to LMDB and drop WAL files it covers."""
@@ -1055,57 +1049,59 @@ class KVStore:
         none starts until the block ends (writers wait in ``_reserve``). Checkpoint,
         mark-and-sweep and fsck's repairs hold it; a writer holding reservations must
         drain them before it waits here, or the freeze would wait for it."""
-        with self._cond:
-            self._freezing += 1
-            while self._inflight:
-                self._cond.wait()
+        st = self._state
+        with st.cond:
+            st.freezing += 1
+            while st.inflight:
+                st.cond.wait()
         try:
             yield
         finally:
-            with self._cond:
-                self._freezing -= 1
-                self._cond.notify_all()
+            with st.cond:
+                st.freezing -= 1
+                st.cond.notify_all()
 
     def _checkpoint(self) -> None:
+        st = self._state
         assert self._wal is not None
         with self._checkpoint_lock:
             with self._commit_lock, self._writers_frozen():
                 self._commit_locked()
-                with self._lock:
-                    frozen = self._table.freeze()
+                with st.lock:
+                    frozen = st.table.freeze()
                     segments = {
                         segment_id: dataclasses.replace(state)
-                        for segment_id, state in self._segment_states.items()
+                        for segment_id, state in st.segment_states.items()
                     }
                     first_lsn = self._take_lsn()
                     meta = {
                         META_CHECKPOINT_LSN: first_lsn,
-                        META_LSN_LEASE: max(self._lease_until, self._next_lsn),
-                        META_PAGE_COUNT: self._table.page_count,
-                        META_NEXT_SEGMENT: self._next_segment_id,
+                        META_LSN_LEASE: max(st.lease_until, st.next_lsn),
+                        META_PAGE_COUNT: st.table.page_count,
+                        META_NEXT_SEGMENT: st.next_segment_id,
                     }
-                    dropped, self._dropped_segments = self._dropped_segments, []
-                    retains = set(self._retains)
+                    dropped, st.dropped_segments = st.dropped_segments, []
+                    retains = set(st.retains)
                 try:
                     self._wal.rotate(first_lsn)
                 except KVStoreError as e:
-                    with self._lock:
-                        self._table.thaw(frozen)
+                    with st.lock:
+                        st.table.thaw(frozen)
                     raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
-                with self._lock:
-                    self._tv[tc.WAL] += WAL_FILE_HEADER_BYTES
+                with st.lock:
+                    st.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
             wchar_before = tc.read_io_wchar()
             try:
-                self._table.commit_frozen(frozen, segments, dropped, meta, retains)
+                st.table.commit_frozen(frozen, segments, dropped, meta, retains)
             except BaseException:
                 # LMDB keeps the previous checkpoint and the WAL still holds every
                 # change (old files are deleted only after a commit): put the
                 # overlay back so lookups, and the next checkpoint, still see it.
-                with self._lock:
-                    self._table.thaw(frozen)
-                    self._dropped_segments = dropped + self._dropped_segments
+                with st.lock:
+                    st.table.thaw(frozen)
+                    st.dropped_segments = dropped + st.dropped_segments
                 raise
-            self._checkpoint_lsn = first_lsn
+            st.checkpoint_lsn = first_lsn
             for wal_first, path in list_wal_files(self.root):
                 if wal_first < first_lsn:
                     try:
@@ -1114,10 +1110,10 @@ class KVStore:
                         break  # the checkpoint is durable; the next one (or open) retries
             self._last_checkpoint = time.monotonic()
             wchar_after = tc.read_io_wchar()
-            with self._lock:
-                self._tv[tc.CHECKPOINTS] += 1
+            with st.lock:
+                st.tv[tc.CHECKPOINTS] += 1
                 if wchar_before is not None and wchar_after is not None:
-                    self._tv[tc.INDEX] += wchar_after - wchar_before
+                    st.tv[tc.INDEX] += wchar_after - wchar_before
             self._recorder.persist()
 
     def _telemetry_loop(self) -> None:
@@ -1132,7 +1128,7 @@ class KVStore:
         try:
             while not self._stop.wait(interval):
                 try:
-                    if self._pending:  # a peek: a record appended just after waits one tick
+                    if self._state.pending:  # a peek: a record appended just after waits one tick
                         self.flush()
                     wal = self._wal
                     if wal is not None and (
@@ -1142,9 +1138,9 @@ class KVStore:
                     ):
                         self._checkpoint()
                 except (KVStoreError, OSError):
-                    # A failed write is recorded in self._failed (callers see it on
+                    # A failed write is recorded in self._state.failed (callers see it on
                     # their next write); a failed checkpoint is retried next time.
-                    if self._failed is not None or self._closed:
+                    if self._state.failed is not None or self._closed:
                         return
         except BaseException as e:
             self._background_failed("kvstore-flush", e)
@@ -1163,15 +1159,19 @@ class KVStore:
 
     def _entry(self, key: Key) -> tuple[bytes, PageEntry | None]:
         raw = key_bytes(key)
-        entry = self._table.get(raw)
-        if entry is not None and self._gone_segments and entry.segment_id in self._gone_segments:
+        entry = self._state.table.get(raw)
+        if (
+            entry is not None
+            and self._state.gone_segments
+            and entry.segment_id in self._state.gone_segments
+        ):
             return raw, None  # read-only: freed by the live writer since this view
         return raw, entry
 
     def _submit_read(
         self, queue: IOQueue, entry: PageEntry, token: int, direct: memoryview | None
     ) -> AlignedBuffer:
-        segment = self._segments.get(entry.segment_id)
+        segment = self._state.segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
         buffer, views = record_views(self._buffers, entry, direct)
@@ -1179,7 +1179,7 @@ class KVStore:
         return buffer
 
     def _read_one(self, entry: PageEntry, direct: memoryview | None) -> tuple[AlignedBuffer, int]:
-        segment = self._segments.get(entry.segment_id)
+        segment = self._state.segments.get(entry.segment_id)
         if segment is None:
             raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
         buffer, views = record_views(self._buffers, entry, direct)
@@ -1206,8 +1206,8 @@ class KVStore:
         except CorruptionError:
             if not self.readonly or not self._recycled_since_view(entry):
                 raise
-        with self._lock:
-            self._stale_reads += 1
+        with self._state.lock:
+            self._state.stale_reads += 1
         return None
 
     def _recycled_since_view(self, entry: PageEntry) -> bool:
@@ -1219,7 +1219,7 @@ class KVStore:
         header no longer names the view's segment id and generation. A header
         that does not decode is read again once (a rewrite may be under way).
         """
-        segment = self._segments.get(entry.segment_id)
+        segment = self._state.segments.get(entry.segment_id)
         if segment is None:
             return False
         for attempt in range(2):
@@ -1245,31 +1245,32 @@ class KVStore:
         entry that keeps naming a segment the store does not have is corruption
         (a damaged or hostile index), not a race: CorruptionError, nothing held.
         """
+        st = self._state
         held: list[int] = []
         todo = list(range(len(wanted)))
         stuck_rounds = 0
         while todo:
             retry = []
-            with self._lock:
+            with st.lock:
                 for index in todo:
                     entry = wanted[index][1]
                     if entry is None:
                         continue
-                    if entry.segment_id in self._segments:
-                        self._segment_readers[entry.segment_id] += 1
+                    if entry.segment_id in st.segments:
+                        st.segment_readers[entry.segment_id] += 1
                         held.append(index)
                     else:
                         retry.append(index)
             stuck = None
             for index in retry:
                 key, old = wanted[index]
-                new = self._table.get(key)
+                new = st.table.get(key)
                 if new is not None and new == old:
                     stuck = (key, new)
                 wanted[index] = (key, new)
             stuck_rounds = stuck_rounds + 1 if stuck is not None else 0
             if stuck is not None and stuck_rounds >= 3:
-                with self._lock:
+                with st.lock:
                     for index in held:
                         entry = wanted[index][1]
                         assert entry is not None
@@ -1286,16 +1287,16 @@ class KVStore:
             todo = retry
 
     def _unhold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
-        with self._lock:
+        with self._state.lock:
             for _, entry in wanted:
                 if entry is not None:
                     self._release_reader(entry.segment_id)
 
     def _release_reader(self, segment_id: int) -> None:
         """Caller holds ``_lock``."""
-        self._segment_readers[segment_id] -= 1
-        if not self._segment_readers[segment_id]:
-            del self._segment_readers[segment_id]
+        self._state.segment_readers[segment_id] -= 1
+        if not self._state.segment_readers[segment_id]:
+            del self._state.segment_readers[segment_id]
 
     def _read_entries(
         self,
@@ -1321,6 +1322,7 @@ class KVStore:
         sink: Any,
         targets: list[memoryview] | None,
     ) -> list[int | None]:
+        st = self._state
         started_ns = time.perf_counter_ns()
         results: list[int | None] = [None] * len(wanted)
         queue = self._engine.queue()
@@ -1380,11 +1382,11 @@ class KVStore:
                     self._buffers.release(buffers.pop(index))
         hits = sum(1 for r in results if r is not None)
         done_ns = time.perf_counter_ns()
-        tv = self._tv
-        with self._lock:
+        tv = st.tv
+        with st.lock:
             for (read_key, _), outcome in zip(wanted, results, strict=True):
                 if outcome is not None:
-                    self._policy.on_read(read_key)
+                    st.policy.on_read(read_key)
             tv[tc.GETS] += len(wanted)
             tv[tc.HITS] += hits
             tv[tc.MISSES] += len(wanted) - hits
@@ -1466,22 +1468,23 @@ class KVStore:
         up to ``read_poll_us``; else one ``preadv``), verify, consume, and count,
         with the store lock taken once before the read and once after.
         """
+        st = self._state
         self._check_open()
         started_ns = time.perf_counter_ns()
         raw, entry = self._entry(key)
         if entry is not None:
             if target is not None:
                 check_fits(target, raw, entry.payload_bytes)
-            with self._lock:
-                segment = self._segments.get(entry.segment_id)
+            with st.lock:
+                segment = st.segments.get(entry.segment_id)
                 if segment is not None:
-                    self._segment_readers[entry.segment_id] += 1
+                    st.segment_readers[entry.segment_id] += 1
             if segment is None:  # raced a segment free, or a damaged index: look again
                 wanted: list[tuple[bytes, PageEntry | None]] = [(raw, entry)]
                 self._hold(wanted)
                 entry = wanted[0][1]
                 if entry is not None:
-                    segment = self._segments[entry.segment_id]
+                    segment = st.segments[entry.segment_id]
         result: _T | None = None
         try:
             if entry is not None:
@@ -1517,8 +1520,8 @@ class KVStore:
                         self._buffers.release(buffer)
         finally:
             done_ns = time.perf_counter_ns()
-            tv = self._tv
-            with self._lock:
+            tv = st.tv
+            with st.lock:
                 if entry is not None:
                     self._release_reader(entry.segment_id)
                 tv[tc.GETS] += 1
@@ -1528,7 +1531,7 @@ class KVStore:
                     assert entry is not None
                     tv[tc.HITS] += 1
                     tv[tc.READ_BYTES] += entry.payload_bytes
-                    self._policy.on_read(raw)
+                    st.policy.on_read(raw)
                 tc.observe(tv, tc.OP_GET, done_ns - started_ns)
         return result
 
@@ -1564,31 +1567,37 @@ class KVStore:
         False if the key is absent or deleted. Volatile (this process only);
         every successful pin needs one ``unpin``.
         """
+        st = self._state
         raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else key_bytes(key)
         if self._closed:
             self._check_open()
-        with self._lock:
+        with st.lock:
             # The same steps as pin_many's loop, inlined: a shared helper costs
             # about 8% of a pin+unpin pair (docs/benchmarks.md, pin/unpin target).
-            entry = self._table.get(raw)
+            entry = st.table.get(raw)
             if entry is None:
                 return False
-            stack = self._pins.get(raw)
+            stack = st.pins.get(raw)
             if stack is None:
-                self._pins[raw] = [entry]
+                st.pins[raw] = [entry]
             else:
                 stack.append(entry)
-            segment_pins = self._segment_pins
+            segment_pins = st.segment_pins
             segment_pins[entry.segment_id] = segment_pins.get(entry.segment_id, 0) + 1
             return True
 
     def pin_many(self, keys: Iterable[Key]) -> list[bool]:
         """``pin`` each key under one lock round; per key, False if it is absent."""
+        st = self._state
         raws = [key_bytes(key) for key in keys]
         self._check_open()
         results = []
-        with self._lock:
-            lookup, pins, segment_pins = self._table.get, self._pins, self._segment_pins
+        with st.lock:
+            lookup, pins, segment_pins = (
+                st.table.get,
+                st.pins,
+                st.segment_pins,
+            )
             for raw in raws:
                 entry = lookup(raw)
                 if entry is None:
@@ -1605,17 +1614,18 @@ class KVStore:
 
     def unpin(self, key: Key) -> None:
         """Drop one pin of ``key``; PinError if it is not pinned."""
+        st = self._state
         raw = key if type(key) is bytes and 0 < len(key) <= MAX_INDEX_KEY_BYTES else key_bytes(key)
         if self._closed:
             self._check_open()
-        with self._lock:
-            stack = self._pins.get(raw)
+        with st.lock:
+            stack = st.pins.get(raw)
             if not stack:
                 raise PinError(f"unpin of {raw!r}, which is not pinned")
             segment_id = stack.pop().segment_id
             if not stack:
-                del self._pins[raw]
-            segment_pins = self._segment_pins
+                del st.pins[raw]
+            segment_pins = st.segment_pins
             left = segment_pins[segment_id] - 1
             if left:
                 segment_pins[segment_id] = left
@@ -1624,10 +1634,11 @@ class KVStore:
 
     def unpin_many(self, keys: Iterable[Key]) -> None:
         """Drop one pin of each key; PinError, and nothing unpinned, if one is not pinned."""
+        st = self._state
         raws = [key_bytes(key) for key in keys]
         self._check_open()
-        with self._lock:
-            pins, segment_pins = self._pins, self._segment_pins
+        with st.lock:
+            pins, segment_pins = st.pins, st.segment_pins
             for raw, count in Counter(raws).items():
                 if len(pins.get(raw, ())) < count:
                     raise PinError(f"unpin of {raw!r}, which is not pinned")
@@ -1655,8 +1666,8 @@ class KVStore:
         """How many pins ``key`` holds in this process."""
         raw = key_bytes(key)
         self._check_open()
-        with self._lock:
-            return len(self._pins.get(raw, ()))
+        with self._state.lock:
+            return len(self._state.pins.get(raw, ()))
 
     def retain(self, key: Key) -> bool:
         """Persistently protect ``key`` from eviction (survives restart); False if absent.
@@ -1670,21 +1681,22 @@ class KVStore:
         return self._set_retain(key, False)
 
     def _set_retain(self, key: Key, retained: bool) -> bool:
+        st = self._state
         raw = key_bytes(key)
         while True:
-            with self._cond:
+            with st.cond:
                 self._wait_writable()
-                if retained and self._table.get(raw) is None:
+                if retained and st.table.get(raw) is None:
                     return False
-                if (raw in self._retains) == retained:
+                if (raw in st.retains) == retained:
                     return retained
-                if self._next_lsn + 2 < self._lease_until:
+                if st.next_lsn + 2 < st.lease_until:
                     lsn = self._take_lsn()
-                    self._pending.append(encode_retain(lsn, raw, retained))
+                    st.pending.append(encode_retain(lsn, raw, retained))
                     if retained:
-                        self._retains.add(raw)
+                        st.retains.add(raw)
                     else:
-                        self._retains.discard(raw)
+                        st.retains.discard(raw)
                     return True
             self._extend_lease()
 
@@ -1692,7 +1704,7 @@ class KVStore:
         """Whether ``key`` is retained (``retain``), as of the latest change."""
         raw = key_bytes(key)
         self._check_open()
-        return raw in self._retains
+        return raw in self._state.retains
 
     # -- GC, compaction, eviction -------------------------------------------
 
@@ -1711,7 +1723,7 @@ class KVStore:
                 self._mark_and_sweep(report)
             self._free_empty_segments(report)
             self._compact_sparse(report)
-            if self._capacity_segments is not None:
+            if self._state.capacity_segments is not None:
                 self._evict_until_watermark(report)
         self._last_gc = time.monotonic()
         self._count_gc_pass(started_ns)
@@ -1719,9 +1731,9 @@ class KVStore:
 
     def _count_gc_pass(self, started_ns: int) -> None:
         elapsed_ns = time.perf_counter_ns() - started_ns
-        with self._lock:
-            self._tv[tc.GC_PASSES] += 1
-            tc.observe(self._tv, tc.OP_GC, elapsed_ns)
+        with self._state.lock:
+            self._state.tv[tc.GC_PASSES] += 1
+            tc.observe(self._state.tv, tc.OP_GC, elapsed_ns)
 
     def _gc_loop(self) -> None:
         try:
@@ -1732,23 +1744,23 @@ class KVStore:
                         tally = GCTally()
                         self._free_empty_segments(tally)
                         self._compact_sparse(tally)
-                        if self._capacity_segments is not None:
+                        if self._state.capacity_segments is not None:
                             self._evict_until_watermark(tally)
                     self._count_gc_pass(started_ns)
                 except (KVStoreError, OSError):
-                    if self._failed is not None or self._closed:
+                    if self._state.failed is not None or self._closed:
                         return
         except BaseException as e:
             self._background_failed("kvstore-gc", e)
 
     def _free_segment_count(self) -> int:
-        assert self._capacity_segments is not None
-        return self._capacity_segments - len(self._segments)
+        assert self._state.capacity_segments is not None
+        return self._state.capacity_segments - len(self._state.segments)
 
     def _make_room(self) -> None:
         """Called by a writer that found no room: evict until the watermark is met."""
         with self._gc_lock:
-            with self._lock:
+            with self._state.lock:
                 if self._may_roll(False):
                     return
             tally = GCTally()
@@ -1756,18 +1768,18 @@ class KVStore:
             self._evict_until_watermark(tally)
 
     def _sealed_ids(self) -> list[int]:
-        with self._lock:
-            active = self._active.segment_id if self._active is not None else None
+        with self._state.lock:
+            active = self._state.active.segment_id if self._state.active is not None else None
             return [
                 segment_id
-                for segment_id, state in self._segment_states.items()
+                for segment_id, state in self._state.segment_states.items()
                 if segment_id != active and state.state == SEGMENT_SEALED
             ]
 
     def _free_empty_segments(self, tally: GCTally) -> None:
         for segment_id in self._sealed_ids():
-            with self._lock:
-                state = self._segment_states.get(segment_id)
+            with self._state.lock:
+                state = self._state.segment_states.get(segment_id)
                 empty = state is not None and state.live_pages == 0
             if empty:
                 self._free_segment(segment_id, tally)
@@ -1789,30 +1801,29 @@ class KVStore:
                 segment.path.unlink(missing_ok=True)
             except OSError:
                 pass  # its SEGMENT_FREE is durable: the next open removes the orphan file
-        with self._lock:
-            self._tv[tc.SEGMENTS_FREED] += 1
+        with self._state.lock:
+            self._state.tv[tc.SEGMENTS_FREED] += 1
         tally.segments_freed += 1
         return True
 
     def _free_segment_locked(self, segment_id: int) -> Segment | None:
         """Drop the segment from the index and commit that; None if it may not go yet."""
-        with self._lock:
-            state = self._segment_states.get(segment_id)
+        st = self._state
+        with st.lock:
+            state = st.segment_states.get(segment_id)
             if (
                 state is None
                 or state.live_pages != 0
-                or self._segment_pins.get(segment_id)
-                or self._segment_readers.get(segment_id)
-                or self._segment_writers.get(segment_id)
-                or (self._active is not None and self._active.segment_id == segment_id)
+                or st.segment_pins.get(segment_id)
+                or st.segment_readers.get(segment_id)
+                or st.segment_writers.get(segment_id)
+                or (st.active is not None and st.active.segment_id == segment_id)
             ):
                 return None
-            segment = self._segments.pop(segment_id)
-            del self._segment_states[segment_id]
-            self._dropped_segments.append(segment_id)
-            self._pending.append(
-                encode_segment_free(self._take_lsn(), segment_id, state.generation)
-            )
+            segment = st.segments.pop(segment_id)
+            del st.segment_states[segment_id]
+            st.dropped_segments.append(segment_id)
+            st.pending.append(encode_segment_free(self._take_lsn(), segment_id, state.generation))
         try:
             if segment.dirty:  # its records may be in this very commit
                 self._sync_segment(segment)
@@ -1825,7 +1836,7 @@ class KVStore:
 
     def _recycle(self, segment: Segment) -> bool:
         """Turn a freed segment's file into the spare (written extents are cheaper)."""
-        with self._cond:
+        with self._state.cond:
             claimed = self._claim_spare()
         if claimed is None:
             return False
@@ -1838,28 +1849,28 @@ class KVStore:
         except KVStoreError:
             return False
         finally:
-            with self._cond:
-                self._spare = spare
-                self._preparing = False
+            with self._state.cond:
+                self._state.spare = spare
+                self._state.preparing = False
                 if spare is not None:
-                    self._tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-                self._cond.notify_all()
+                    self._state.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
+                self._state.cond.notify_all()
         return True
 
     def _compact_sparse(self, tally: GCTally) -> None:
-        if self._capacity_segments is not None and not self._policy.page_granular:
+        if self._state.capacity_segments is not None and not self._state.policy.page_granular:
             # Segment-granular eviction reclaims the oldest segments whole; copying
             # sparse ones forward first would only add write amplification.
             return
         threshold = self.config.gc_live_ratio * self.config.segment_bytes
-        with self._lock:
+        with self._state.lock:
             sparse = sorted(
                 (state.live_bytes, segment_id)
-                for segment_id, state in self._segment_states.items()
+                for segment_id, state in self._state.segment_states.items()
                 if state.state == SEGMENT_SEALED
-                and (self._active is None or segment_id != self._active.segment_id)
+                and (self._state.active is None or segment_id != self._state.active.segment_id)
                 and state.live_bytes < threshold
-                and not self._segment_pins.get(segment_id)
+                and not self._state.segment_pins.get(segment_id)
             )
         for live_bytes, segment_id in sparse:
             if not self._room_for_gc(live_bytes):
@@ -1869,8 +1880,8 @@ class KVStore:
 
     def _room_for_gc(self, live_bytes: int) -> bool:
         """Whether ``live_bytes`` of relocated pages fit without exceeding capacity."""
-        with self._lock:
-            room = self._active.remaining() if self._active is not None else 0
+        with self._state.lock:
+            room = self._state.active.remaining() if self._state.active is not None else 0
             if self._may_roll(True):
                 room += self.config.segment_bytes
             return live_bytes + BLOCK_BYTES <= room
@@ -1879,16 +1890,16 @@ class KVStore:
         watermark = self.config.low_watermark_segments + self.config.gc_reserve_segments
         stalled = 0
         while True:
-            with self._lock:
+            with self._state.lock:
                 free_before = self._free_segment_count()
                 if free_before >= watermark:
                     return
-                patience = len(self._segments) + 1
-            if self._policy.page_granular:
+                patience = len(self._state.segments) + 1
+            if self._state.policy.page_granular:
                 self._evict_pages(tally)
             else:
                 self._evict_one_segment(tally)
-            with self._lock:
+            with self._state.lock:
                 progressed = self._free_segment_count() > free_before
             # A pass can free a segment yet fill another with relocated pages
             # (retained, or hot pages on their second chance). Give up only after
@@ -1899,16 +1910,16 @@ class KVStore:
 
     def _segment_views(self) -> list[SegmentView]:
         sealed = set(self._sealed_ids())
-        with self._lock:
+        with self._state.lock:
             return [
                 SegmentView(
                     segment_id,
                     state.live_bytes,
                     state.live_pages,
                     state.created_unix_ns,
-                    bool(self._segment_pins.get(segment_id)),
+                    bool(self._state.segment_pins.get(segment_id)),
                 )
-                for segment_id, state in self._segment_states.items()
+                for segment_id, state in self._state.segment_states.items()
                 if segment_id in sealed
             ]
 
@@ -1916,8 +1927,8 @@ class KVStore:
         tried: set[int] = set()
         while True:
             views = [view for view in self._segment_views() if view.segment_id not in tried]
-            with self._lock:  # policy calls are serialised by the store lock (but victims)
-                victim = self._policy.choose_segment(views)
+            with self._state.lock:  # policy calls are serialised by the store lock (but victims)
+                victim = self._state.policy.choose_segment(views)
             if victim is None:
                 return
             tried.add(victim)
@@ -1925,10 +1936,10 @@ class KVStore:
             def evict(key: bytes) -> bool:
                 # A pinned key's current version may live here while the pin holds an
                 # older one elsewhere: relocate it too, so a pinned reader never misses.
-                with self._lock:  # keep() updates the state on_read() updates
-                    if key in self._retains or key in self._pins:
+                with self._state.lock:  # keep() updates the state on_read() updates
+                    if key in self._state.retains or key in self._state.pins:
                         return False
-                    return not self._policy.keep(key)
+                    return not self._state.policy.keep(key)
 
             if self._empty_segment(victim, tally, evict=evict) and self._free_segment(
                 victim, tally
@@ -1936,13 +1947,13 @@ class KVStore:
                 return
 
     def _evict_pages(self, tally: GCTally) -> None:
-        with self._lock:
-            protected = set(self._pins) | self._retains
-        candidates = [key for key in self._table.keys() if key not in protected]  # noqa: SIM118
+        with self._state.lock:
+            protected = set(self._state.pins) | self._state.retains
+        candidates = [key for key in self._state.table.keys() if key not in protected]  # noqa: SIM118
         freed_before = tally.segments_freed
-        per_segment = max(1, len(candidates) // max(1, len(self._segments)))
-        for key in self._policy.victims(candidates, per_segment):
-            entry = self._table.get(key)
+        per_segment = max(1, len(candidates) // max(1, len(self._state.segments)))
+        for key in self._state.policy.victims(candidates, per_segment):
+            entry = self._state.table.get(key)
             if entry is not None:
                 self._evict_entry(key, entry, tally)
         self._free_empty_segments(tally)
@@ -1964,28 +1975,29 @@ class KVStore:
         the same key that was already in flight (an older reservation, so a lower
         LSN than a fresh one) is newer than what was evicted and must win.
         """
-        with self._cond:
+        st = self._state
+        with st.cond:
             self._wait_writable()
-            if self._table.get(key) != entry or key in self._pins or key in self._retains:
+            if st.table.get(key) != entry or key in st.pins or key in st.retains:
                 return False
-            apply_delete(self._table, self._segment_states, key, entry.lsn)
-            self._pending.append(encode_delete(entry.lsn, key))
-            self._policy.on_delete(key)
-            self._evictions[self._policy.name] += 1
-            self._tv[tc.EVICTED_PAGES] += 1
-            self._tv[tc.EVICTED_BYTES] += entry.payload_bytes
+            apply_delete(st.table, st.segment_states, key, entry.lsn)
+            st.pending.append(encode_delete(entry.lsn, key))
+            st.policy.on_delete(key)
+            st.evictions[st.policy.name] += 1
+            st.tv[tc.EVICTED_PAGES] += 1
+            st.tv[tc.EVICTED_BYTES] += entry.payload_bytes
         tally.pages_evicted += 1
         tally.bytes_evicted += entry.payload_bytes
         return True
 
     def _scan_segment(self, segment_id: int) -> Iterator[tuple[int, _RecordHeader, memoryview]]:
         """Every well-formed record of a sealed segment, read in large chunks."""
-        with self._lock:
-            segment = self._segments.get(segment_id)
-            state = self._segment_states.get(segment_id)
+        with self._state.lock:
+            segment = self._state.segments.get(segment_id)
+            state = self._state.segment_states.get(segment_id)
             if segment is None or state is None:
                 return
-            self._segment_readers[segment_id] += 1
+            self._state.segment_readers[segment_id] += 1
             end = state.head_bytes
         try:
             chunk_bytes = max(8 << 20, record_span(self.config.max_page_bytes))
@@ -2026,7 +2038,7 @@ class KVStore:
             finally:
                 self._buffers.release(buffer)
         finally:
-            with self._lock:
+            with self._state.lock:
                 self._release_reader(segment_id)
 
     def _empty_segment(
@@ -2039,7 +2051,7 @@ class KVStore:
         tally.segments_scanned += 1
         complete = True
         for offset, header, record in self._scan_segment(segment_id):
-            entry = self._table.get(header.key)
+            entry = self._state.table.get(header.key)
             if (
                 entry is None
                 or entry.segment_id != segment_id
@@ -2047,12 +2059,12 @@ class KVStore:
                 or entry.lsn != header.lsn
             ):
                 continue  # dead: overwritten, deleted or evicted
-            with self._lock:
-                if self._segment_pins.get(segment_id):
+            with self._state.lock:
+                if self._state.segment_pins.get(segment_id):
                     return False
             if evict(header.key):
                 if not self._evict_entry(header.key, entry, tally):
-                    complete = complete and self._table.get(header.key) != entry
+                    complete = complete and self._state.table.get(header.key) != entry
                 continue
             try:
                 verify_record(
@@ -2073,12 +2085,13 @@ class KVStore:
 
     def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: GCTally) -> None:
         """Copy a verified record to the active segment; publish only if unchanged."""
+        st = self._state
         span = entry.span_bytes
         segment, offset, _ = self._reserve(span, for_gc=True)
         try:
             buffer = self._buffers.acquire(span)
         except BaseException:
-            with self._lock:
+            with st.lock:
                 self._finish_inflight(segment.segment_id)
             raise
         try:
@@ -2101,7 +2114,7 @@ class KVStore:
                 self._engine.queue("gc"), [("w", segment.fd, offset, buffer.view[:span])]
             )
         except BaseException:
-            with self._lock:
+            with st.lock:
                 self._finish_inflight(segment.segment_id)
             raise
         finally:
@@ -2109,27 +2122,27 @@ class KVStore:
         moved = dataclasses.replace(
             entry, segment_id=segment.segment_id, offset=offset, generation=segment.generation
         )
-        with self._lock:
+        with st.lock:
             self._finish_inflight(segment.segment_id)
             if result[0] != span:
                 error = WriterFailedError(f"GC write to segment {segment.segment_id} failed")
-                if self._failed is None:
-                    self._failed = error
+                if st.failed is None:
+                    st.failed = error
                 raise error
             segment.dirty = True
-            self._tv[tc.GC_COPY] += span
-            if self._table.get(key) != entry:
+            st.tv[tc.GC_COPY] += span
+            if st.table.get(key) != entry:
                 return  # overwritten or deleted meanwhile: the copy is garbage
             old = (entry.segment_id, entry.generation, entry.offset)
             apply_move(
-                self._table,
-                self._segment_states,
+                st.table,
+                st.segment_states,
                 key,
                 moved,
                 old,
-                checkpoint_lsn=self._checkpoint_lsn,
+                checkpoint_lsn=st.checkpoint_lsn,
             )
-            self._pending.append(
+            st.pending.append(
                 encode_move(
                     entry.lsn,
                     MoveBody(
@@ -2148,7 +2161,7 @@ class KVStore:
                     ),
                 )
             )
-            self._tv[tc.GC_MOVED_PAGES] += 1
+            st.tv[tc.GC_MOVED_PAGES] += 1
         tally.pages_moved += 1
         tally.bytes_moved += span
 
@@ -2157,11 +2170,11 @@ class KVStore:
         with self._writers_frozen():  # writers held still: the sweep sees one state
             live: Counter[int] = Counter()
             pages: Counter[int] = Counter()
-            for _, entry in self._table.items():
+            for _, entry in self._state.table.items():
                 live[entry.segment_id] += entry.span_bytes
                 pages[entry.segment_id] += 1
-            with self._lock:
-                for segment_id, state in self._segment_states.items():
+            with self._state.lock:
+                for segment_id, state in self._state.segment_states.items():
                     if (
                         state.live_bytes != live[segment_id]
                         or state.live_pages != pages[segment_id]
@@ -2190,16 +2203,16 @@ class KVStore:
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
-        return self._table.contains(key_bytes(key))
+        return self._state.table.contains(key_bytes(key))
 
     def __len__(self) -> int:
         self._check_open()
-        return len(self._table)
+        return len(self._state.table)
 
     def keys(self) -> Iterator[bytes]:
         """Every key, as a snapshot taken lazily (keys added meanwhile may or may not show)."""
         self._check_open()
-        return self._table.keys()
+        return self._state.table.keys()
 
     def info(self, key: Key) -> PageInfo | None:
         """Where and what a page is, without reading it; None when absent."""
@@ -2219,20 +2232,21 @@ class KVStore:
         )
 
     def stats(self) -> StoreStats:
+        st = self._state
         self._check_open()
         snapshot = self.telemetry_snapshot()
         wear = snapshot.wear_report()
-        with self._lock:
-            counters = self._recorder.session_counters(self._stale_reads)
+        with st.lock:
+            counters = self._recorder.session_counters(st.stale_reads)
             wal_bytes = self._wal.size_bytes if self._wal is not None else 0
-            active = self._active.segment_id if self._active is not None else 0
-            overlay = len(self._table.active) + len(self._table.frozen or {})
-            live = sum(state.live_bytes for state in self._segment_states.values())
+            active = st.active.segment_id if st.active is not None else 0
+            overlay = len(st.table.active) + len(st.table.frozen or {})
+            live = sum(state.live_bytes for state in st.segment_states.values())
             used = sum(  # record bytes written so far (the header block is not garbage)
-                state.head_bytes - BLOCK_BYTES for state in self._segment_states.values()
+                state.head_bytes - BLOCK_BYTES for state in st.segment_states.values()
             )
             by_state = {"active": 0, "sealed": 0}
-            for state in self._segment_states.values():
+            for state in st.segment_states.values():
                 by_state["active" if state.state == SEGMENT_ACTIVE else "sealed"] += 1
             return StoreStats(
                 path=str(self.root),
@@ -2241,29 +2255,29 @@ class KVStore:
                 io_engine_reason=self._engine.why,
                 direct_io=self.direct_io,
                 readonly=self.readonly,
-                pages=len(self._table),
-                segments=len(self._segments),
+                pages=len(st.table),
+                segments=len(st.segments),
                 segment_bytes=self.config.segment_bytes,
                 active_segment_id=active,
-                bytes_on_disk=len(self._segments) * self.config.segment_bytes,
-                next_lsn=self._next_lsn,
-                durable_lsn=self._durable_lsn,
-                checkpoint_lsn=self._checkpoint_lsn,
+                bytes_on_disk=len(st.segments) * self.config.segment_bytes,
+                next_lsn=st.next_lsn,
+                durable_lsn=st.durable_lsn,
+                checkpoint_lsn=st.checkpoint_lsn,
                 wal_files=len(list_wal_files(self.root)),
                 wal_bytes=wal_bytes,
                 overlay_entries=overlay,
                 counters=counters,
-                capacity_bytes=self._capacity_bytes,
+                capacity_bytes=st.capacity_bytes,
                 live_bytes=live,
                 garbage_bytes=used - live,
                 free_bytes=None
-                if self._capacity_bytes is None
-                else self._capacity_bytes - len(self._segments) * self.config.segment_bytes,
+                if st.capacity_bytes is None
+                else st.capacity_bytes - len(st.segments) * self.config.segment_bytes,
                 segments_by_state=by_state,
-                pinned_pages=sum(len(stack) for stack in self._pins.values()),
-                retained_pages=len(self._retains),
-                eviction_policy=self._policy.name,
-                evictions=dict(self._evictions),
+                pinned_pages=sum(len(stack) for stack in st.pins.values()),
+                retained_pages=len(st.retains),
+                eviction_policy=st.policy.name,
+                evictions=dict(st.evictions),
                 gc_bytes_copied=counters["gc_bytes_copied"],
                 write_amplification=wear.write_amplification,
                 host_bytes=wear.host_bytes,
@@ -2298,19 +2312,19 @@ class KVStore:
     def telemetry_snapshot(self) -> TelemetrySnapshot:
         """Lifetime counters, hourly history and recent rates (see kvstore/telemetry)."""
         self._check_open()
-        with self._lock:
-            values = list(self._tv)
+        with self._state.lock:
+            values = list(self._state.tv)
             gauges = {
-                "pages": float(len(self._table)),
-                "segments": float(len(self._segments)),
+                "pages": float(len(self._state.table)),
+                "segments": float(len(self._state.segments)),
                 "live_bytes": float(
-                    sum(state.live_bytes for state in self._segment_states.values())
+                    sum(state.live_bytes for state in self._state.segment_states.values())
                 ),
-                "pinned_pages": float(sum(len(stack) for stack in self._pins.values())),
-                "retained_pages": float(len(self._retains)),
+                "pinned_pages": float(sum(len(stack) for stack in self._state.pins.values())),
+                "retained_pages": float(len(self._state.retains)),
             }
-            if self._capacity_bytes is not None:
-                gauges["capacity_bytes"] = float(self._capacity_bytes)
+            if self._state.capacity_bytes is not None:
+                gauges["capacity_bytes"] = float(self._state.capacity_bytes)
             for name, value in self._degraded_stats().items():
                 if isinstance(value, bool | int) and name != "index_check_seconds":
                     gauges[name] = float(value)
@@ -2332,8 +2346,8 @@ class KVStore:
     def segment_states(self) -> dict[int, SegmentState]:
         """A copy of the per-segment accounting (for tools and tests)."""
         self._check_open()
-        with self._lock:
-            return {k: dataclasses.replace(v) for k, v in self._segment_states.items()}
+        with self._state.lock:
+            return {k: dataclasses.replace(v) for k, v in self._state.segment_states.items()}
 
     @property
     def internals(self) -> StoreInternals:
@@ -2380,62 +2394,62 @@ class StoreInternals:
     def overlay(self) -> dict[bytes, PageEntry | Tombstone]:
         """The page-table changes not yet checkpointed (frozen ones included), a copy."""
         store = self._store
-        table = store._table
-        with store._lock:
+        table = store._state.table
+        with store._state.lock:
             merged: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
             merged.update(table.active)
         return merged
 
     def entry(self, key: bytes) -> PageEntry | None:
         """The page table's live entry for ``key`` (overlay, then LMDB)."""
-        return self._store._table.get(key)
+        return self._store._state.table.get(key)
 
     def forget_index_value(self, key: bytes) -> None:
         """fsck removed ``key``'s undecodable LMDB value: count the page gone."""
         store = self._store
-        with store._lock:
-            store._table.page_count -= 1
-            store._retains.discard(key)
+        with store._state.lock:
+            store._state.table.page_count -= 1
+            store._state.retains.discard(key)
 
     def segments(self) -> list[tuple[int, Segment, SegmentState | None]]:
         """The open segment files with their accounting (None: not in the table)."""
         store = self._store
-        with store._lock:
+        with store._state.lock:
             return [
-                (segment_id, segment, store._segment_states.get(segment_id))
-                for segment_id, segment in store._segments.items()
+                (segment_id, segment, store._state.segment_states.get(segment_id))
+                for segment_id, segment in store._state.segments.items()
             ]
 
     def hold_segment(self, segment_id: int, segment: Segment) -> bool:
         """Register a read of ``segment`` if it is still the store's, as a get does:
         GC may not close or reuse its file meanwhile. Pair with ``release_segment``."""
         store = self._store
-        with store._lock:
-            if store._segments.get(segment_id) is not segment:
+        with store._state.lock:
+            if store._state.segments.get(segment_id) is not segment:
                 return False
-            store._segment_readers[segment_id] += 1
+            store._state.segment_readers[segment_id] += 1
         return True
 
     def segment_reads(self) -> dict[int, int]:
         """Reads registered per segment right now (none left after every call ends)."""
         store = self._store
-        with store._lock:
-            return {sid: n for sid, n in store._segment_readers.items() if n}
+        with store._state.lock:
+            return {sid: n for sid, n in store._state.segment_readers.items() if n}
 
     def gone_segments(self) -> frozenset[int]:
         """A read-only view: segments the live writer freed since the view was taken."""
-        return frozenset(self._store._gone_segments)
+        return frozenset(self._store._state.gone_segments)
 
     def release_segment(self, segment_id: int) -> None:
         store = self._store
-        with store._lock:
+        with store._state.lock:
             store._release_reader(segment_id)
 
     def spare_segment(self) -> tuple[int, Path] | None:
         """The segment the prepare thread made ahead (id, file), or None."""
         store = self._store
-        with store._cond:
-            spare = store._spare
+        with store._state.cond:
+            spare = store._state.spare
             return None if spare is None else (spare.segment_id, spare.path)
 
     def wait_for_spare(self, timeout_s: float) -> tuple[int, Path] | None:
@@ -2443,10 +2457,10 @@ class StoreInternals:
         timeout. A test that wants the next segment to be a spare waits here."""
         store = self._store
         deadline = time.monotonic() + timeout_s
-        with store._cond:
-            while store._spare is None or store._preparing:
+        with store._state.cond:
+            while store._state.spare is None or store._state.preparing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                store._cond.wait(min(left, 0.05))
-            return store._spare.segment_id, store._spare.path
+                store._state.cond.wait(min(left, 0.05))
+            return store._state.spare.segment_id, store._state.spare.path

@@ -217,10 +217,10 @@ def _stop_spares(store: KVStore) -> None:
         return claim()
 
     store._claim_spare = claim_unless_preparing  # type: ignore[method-assign]
-    with store._cond:
-        while store._preparing:
-            store._cond.wait()
-        spare, store._spare = store._spare, None
+    with store._state.cond:
+        while store._state.preparing:
+            store._state.cond.wait()
+        spare, store._state.spare = store._state.spare, None
     if spare is not None:
         spare.close()
         spare.path.unlink()

@@ -169,7 +169,7 @@ def capacity_store(open_store: OpenStore, policy: str = "fifo") -> KVStore:
 
 def record_evictions(store: KVStore) -> list[bytes]:
     order: list[bytes] = []
-    policy = store._policy
+    policy = store._state.policy
     original = policy.on_delete
 
     def spy(evicted: bytes) -> None:
@@ -337,7 +337,7 @@ def test_mark_and_sweep_reports_and_fixes_drift(open_store: OpenStore) -> None:
     for index in range(6):
         store.put(key(index), value(index))
     segment_id = store.info(key(0)).segment_id  # type: ignore[union-attr]
-    store._segment_states[segment_id].live_bytes += 12345
+    store._state.segment_states[segment_id].live_bytes += 12345
     report = store.gc(full=True)
     assert report.drift_segments == 1
     assert report.drift_bytes == 12345
@@ -447,7 +447,7 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))
-    old = store._table.get(key(0))
+    old = store._state.table.get(key(0))
     assert old is not None
     original = store._complete_puts
 
@@ -477,23 +477,23 @@ def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
     # loaded machine): make no more, wait out one in progress, set aside one made.
     store._claim_spare = lambda: None  # type: ignore[method-assign]
     deadline = time.monotonic() + 10
-    while store._preparing and time.monotonic() < deadline:
+    while store._state.preparing and time.monotonic() < deadline:
         time.sleep(0.01)
-    with store._cond:
-        made, store._spare = store._spare, None
-        store._preparing = True  # a spare is "being made"
+    with store._state.cond:
+        made, store._state.spare = store._state.spare, None
+        store._state.preparing = True  # a spare is "being made"
     writer = threading.Thread(target=store.put, args=(key(4), value(4)))
     writer.start()
     time.sleep(0.2)  # the put now waits for the spare
-    with store._cond:
-        store._freezing += 1  # a checkpoint freezes meanwhile
-        store._preparing = False
-        store._cond.notify_all()
+    with store._state.cond:
+        store._state.freezing += 1  # a checkpoint freezes meanwhile
+        store._state.preparing = False
+        store._state.cond.notify_all()
     time.sleep(0.2)
     assert writer.is_alive(), "the put went ahead during a freeze"
-    with store._cond:
-        store._freezing -= 1
-        store._cond.notify_all()
+    with store._state.cond:
+        store._state.freezing -= 1
+        store._state.cond.notify_all()
     writer.join(5)
     assert not writer.is_alive()
     assert store.get(key(4)) == value(4)
@@ -507,13 +507,13 @@ def test_a_failed_checkpoint_commit_keeps_the_overlay(open_store: OpenStore) -> 
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))
-    original = store._table.commit_frozen
+    original = store._state.table.commit_frozen
 
     def fail_once(*args, **kwargs):  # type: ignore[no-untyped-def]
-        store._table.commit_frozen = original  # type: ignore[method-assign]
+        store._state.table.commit_frozen = original  # type: ignore[method-assign]
         raise IOFailure("LMDB write failed", 28)
 
-    store._table.commit_frozen = fail_once  # type: ignore[method-assign]
+    store._state.table.commit_frozen = fail_once  # type: ignore[method-assign]
     with pytest.raises(IOFailure):
         store.checkpoint()
     assert store.get(key(0)) == value(0)
@@ -534,7 +534,7 @@ def test_freeing_a_segment_syncs_its_data_before_the_wal_names_it(
         store.put(key(index), value(index))
     first = store.info(key(0))
     assert first is not None
-    segment = store._segments[first.segment_id]
+    segment = store._state.segments[first.segment_id]
     for index in range(4):  # overwrite into segment 2: segment 1 is now empty
         store.put(key(index), value(index, version=1))
     events: list[str] = []

@@ -904,8 +904,8 @@ def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVSto
     store.put_many([("good", b"g" * 100), ("bad", b"b" * 100)])
     entry = store.internals.entry(b"bad")
     assert entry is not None
-    with store._lock:
-        store._table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
+    with store._state.lock:
+        store._state.table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
     result: list[object] = []
 
     def read() -> None:

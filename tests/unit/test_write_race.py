@@ -49,13 +49,13 @@ def reopen(path: Path) -> KVStore:
 
 
 class CommitBeforePublish:
-    """Stands in for ``store._lock``. The first time ``_complete_puts`` takes it on
+    """Stands in for ``store._state.lock``. The first time ``_complete_puts`` takes it on
     the writer thread, a group commit runs to completion on another thread first:
     the moment between reaping a write's completion and publishing its page."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self.real = store._lock
+        self.real = store._state.lock
         self.writer = threading.get_ident()
         self.armed = True
         self.commits = 0
@@ -88,11 +88,11 @@ class CommitBeforePublish:
 
 def put_with_a_commit_before_publish(store: KVStore, key: str, value: bytes) -> None:
     hook = CommitBeforePublish(store)
-    store._lock = hook  # type: ignore[assignment]
+    store._state.lock = hook  # type: ignore[assignment]
     try:
         store.put(key, value)
     finally:
-        store._lock = hook.real
+        store._state.lock = hook.real
     assert hook.commits == 1, "the hook never ran: _complete_puts changed?"
 
 
@@ -126,11 +126,11 @@ def test_a_sync_put_after_the_race_is_durable_too(open_store: OpenStore, tmp_pat
     """put_many(sync=True): its own flush() must cover the page it just published."""
     store = open_store(flush_interval_ms=10_000)
     hook = CommitBeforePublish(store)
-    store._lock = hook  # type: ignore[assignment]
+    store._state.lock = hook  # type: ignore[assignment]
     try:
         store.put_many([("a", page("a")), ("b", page("b"))], sync=True)
     finally:
-        store._lock = hook.real
+        store._state.lock = hook.real
     assert hook.commits == 1
     with reopen(crash_image(store, tmp_path / "crash")) as copy:
         assert copy.get_many(["a", "b"]) == [page("a"), page("b")]
@@ -243,7 +243,7 @@ def test_a_commit_interrupted_in_the_wal_append_stops_the_writer(
 
 def _wait_for_failure(store: KVStore, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while store._failed is None and time.monotonic() < deadline:
+    while store._state.failed is None and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

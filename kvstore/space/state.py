@@ -1,0 +1,126 @@
+"""The store's shared state: what ``KVStore`` and its components (the collector, the
+checkpointer, fsck's view) read and change under the one state lock.
+
+LevelDB's ``DBImpl`` sorts its fields into "constant after construction", "own
+synchronization" and "guarded by mutex_"; this is the third group, kept in one object
+so that today's critical sections (reserve + LSN + head bump; publish; lookup + pin;
+the segment-free predicate) stay single sections under one lock, and so that a
+component gets the state it works on without reaching into the facade.
+
+Lock order (docs/design.md, "Locks"): {checkpoint lock | GC lock} -> commit lock ->
+``lock``. ``lock`` is always innermost: no file I/O and no other lock is taken while
+it is held, but for the few places docs/design.md lists.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from kvstore.errors import WriterFailedError
+from kvstore.format.entries import PageEntry
+from kvstore.index.table import PageTable, SegmentState
+from kvstore.log.segments import Segment
+from kvstore.space.policies import EvictionPolicy
+
+__all__ = ["StoreState"]
+
+
+class StoreState:
+    """Everything below is guarded by ``lock`` (``cond`` waits on it), except where a
+    field says otherwise."""
+
+    __slots__ = (  # noqa: RUF023 (grouped by owner, not sorted)
+        "lock",
+        "cond",
+        # the index
+        "table",
+        "checkpoint_lsn",
+        # the segment set (VersionSet's role)
+        "segments",
+        "segment_states",
+        "active",
+        "spare",
+        "preparing",
+        "spare_wanted",
+        "next_segment_id",
+        "capacity_bytes",
+        "capacity_segments",
+        "dropped_segments",
+        "gone_segments",
+        "segment_readers",
+        "segment_writers",
+        # protection
+        "pins",
+        "segment_pins",
+        "retains",
+        # the journal
+        "pending",
+        "next_lsn",
+        "lease_until",
+        "durable_lsn",
+        "failed",
+        # the writer barrier
+        "inflight",
+        "freezing",
+        # eviction and counting
+        "policy",
+        "evictions",
+        "tv",
+        "stale_reads",
+    )
+
+    def __init__(
+        self,
+        *,
+        lock: threading.Lock,
+        table: PageTable,
+        segment_states: dict[int, SegmentState],
+        next_segment_id: int,
+        checkpoint_lsn: int,
+        lsn_lease: int,
+        retains: set[bytes],
+        dropped_segments: list[int],
+        capacity_bytes: int | None,
+        segment_bytes: int,
+        policy: EvictionPolicy,
+        tv: list[int],
+    ) -> None:
+        self.lock = lock
+        self.cond = threading.Condition(self.lock)
+        self.table = table
+        self.checkpoint_lsn = checkpoint_lsn
+        self.segments: dict[int, Segment] = {}
+        self.segment_states = segment_states
+        self.active: Segment | None = None
+        self.spare: Segment | None = None  # made ahead by the prepare thread
+        self.preparing = False
+        self.spare_wanted = threading.Event()  # own synchronization
+        self.next_segment_id = next_segment_id
+        # Constant after open.
+        self.capacity_bytes = capacity_bytes
+        self.capacity_segments = capacity_bytes // segment_bytes if capacity_bytes else None
+        self.dropped_segments = dropped_segments  # freed since the last checkpoint
+        # Read-only: segments of this view the live writer freed before they could
+        # be opened. Their pages are misses (docs/operations.md, "Readers").
+        self.gone_segments: set[int] = set()
+        self.segment_readers: Counter[int] = Counter()
+        self.segment_writers: Counter[int] = Counter()  # reserved, not yet published
+        self.pins: dict[bytes, list[PageEntry]] = {}
+        self.segment_pins: Counter[int] = Counter()
+        self.retains = retains
+        # WAL records published but not yet committed. A group commit swaps the
+        # list for a new one: read it only under ``lock``.
+        self.pending: list[bytes] = []
+        # Never reissue an LSN that a crashed writer may have stamped on a record.
+        self.next_lsn = lsn_lease
+        self.lease_until = lsn_lease
+        self.durable_lsn = lsn_lease - 1
+        self.failed: WriterFailedError | None = None
+        self.inflight = 0  # writes reserved and not yet finished
+        self.freezing = 0  # writer barriers held (checkpoint, mark-and-sweep, fsck)
+        self.policy = policy
+        self.evictions: Counter[str] = Counter()
+        self.tv = tv  # the telemetry recorder's counter vector
+        # A read-only view's reads of records the writer freed since the view (misses).
+        self.stale_reads = 0
