@@ -685,7 +685,7 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
         with store._state.lock:
             for segment_id, count in held.items():
                 for _ in range(count):
-                    store._release_reader(segment_id)
+                    store._state.release_reader_locked(segment_id)
     del bad_page_keys  # reported (and repaired) by _check_index_values
     for key, entry, finding in to_delete:
         repaired = False

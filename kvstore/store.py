@@ -67,29 +67,20 @@ from kvstore.format.names import (
     SUPERBLOCK_NAME,
 )
 from kvstore.format.records import (
-    RecordHeader,
-    decode_record_header,
     decode_superblock,
     encode_record_fields_into,
-    encode_record_header_into,
 )
-from kvstore.format.records import RecordHeader as _RecordHeader
 from kvstore.format.wal import (
     WAL_FILE_HEADER_BYTES,
-    MoveBody,
-    PutBody,
     encode_delete,
     encode_lsn_lease,
-    encode_move,
     encode_put_fields,
     encode_retain,
-    encode_segment_free,
     encode_segment_open,
 )
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
     apply_delete,
-    apply_move,
     apply_put,
 )
 from kvstore.index.salvage import IndexSalvage
@@ -110,7 +101,7 @@ from kvstore.inputs import (
     writable_view,
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue, make_engine, run_all
+from kvstore.io.engine import IOEngine, IOQueue, make_engine
 from kvstore.io.files import (
     acquire_writer_lock,
     probe_direct_io,
@@ -122,10 +113,10 @@ from kvstore.log.segments import (
     Segment,
     create_segment,
     read_segment_header,
-    recycle_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.policies import SegmentView, make_policy
+from kvstore.space.gc import Collector
+from kvstore.space.policies import make_policy
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
 from kvstore.telemetry import TelemetrySnapshot
@@ -325,6 +316,7 @@ class KVStore:
             dropped_segments=list(recovered.dropped_segments),
             capacity_bytes=capacity,
             segment_bytes=config.segment_bytes,
+            gc_reserve_segments=config.gc_reserve_segments,
             policy=make_policy(config.eviction_policy),
             tv=self._recorder.values,
         )
@@ -358,9 +350,21 @@ class KVStore:
             self.recovery_notes.extend(salvage.notes)
         if damaged:
             lifecycle.quarantine_segments(self, damaged)
-        self._gc_lock = threading.Lock()
-        self._last_gc = time.monotonic()
         self._commit_lock = threading.Lock()
+        self._collector = Collector(
+            self._state,
+            config,
+            root=root,
+            store_uuid=self.superblock.store_uuid,
+            engine=self._engine,
+            buffers=self._buffers,
+            commit_lock=self._commit_lock,
+            commit_locked=self._commit_locked,
+            sync_segment=self._sync_segment,
+            reserve=lambda span: self._reserve(span, for_gc=True),
+            wait_writable=self._wait_writable,
+            claim_spare=lambda: self._claim_spare(),  # late-bound: tests replace it
+        )
         self._checkpoint_lock = threading.Lock()
         self._last_checkpoint = time.monotonic()
         self._wal: WalWriter | None = None
@@ -374,7 +378,7 @@ class KVStore:
         lifecycle.choose_active_segment(self)
         chain = recovered.wal_files
         prev = chain[-1].first_lsn if chain else 0
-        self._wal = WalWriter(root, self.superblock.store_uuid, self._take_lsn(), prev)
+        self._wal = WalWriter(root, self.superblock.store_uuid, self._state.take_lsn_locked(), prev)
         self._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
         self._recorder.start_session()  # counting for stats() starts once open
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
@@ -442,6 +446,9 @@ class KVStore:
             state.spare = None
             _quietly(spare.close)
             _quietly(lambda: spare.path.unlink(missing_ok=True))
+        collector: Collector | None = getattr(self, "_collector", None)
+        if collector is not None:
+            collector.close()
         wal = getattr(self, "_wal", None)
         if wal is not None:
             _quietly(wal.close)
@@ -484,19 +491,7 @@ class KVStore:
             self._state.cond.wait()
             self._check_writable()
 
-    def _fail(self, error: WriterFailedError) -> WriterFailedError:
-        with self._state.lock:
-            if self._state.failed is None:
-                self._state.failed = error
-        return error
-
     # -- LSNs, segments, reservation ---------------------------------------
-
-    def _take_lsn(self) -> int:
-        """Caller holds ``_lock`` (or is single-threaded during open)."""
-        lsn = self._state.next_lsn
-        self._state.next_lsn += 1
-        return lsn
 
     def _extend_lease(self) -> None:
         """Make a new LSN lease durable before any LSN past the old one is used."""
@@ -506,7 +501,7 @@ class KVStore:
                 self._check_writable()
                 if st.next_lsn + 2 < st.lease_until:  # the margin _reserve uses
                     return
-                lsn = self._take_lsn()
+                lsn = self._state.take_lsn_locked()
                 new_lease = st.next_lsn + self.config.lsn_lease_step
                 st.pending.append(encode_lsn_lease(lsn, new_lease))
             self._commit_locked()
@@ -529,12 +524,6 @@ class KVStore:
                     f"no space on the device for a new {self.config.segment_bytes}-byte segment"
                 ) from e
             raise
-
-    def _spare_allowed(self) -> bool:
-        """A spare segment may exist (it counts against capacity). Caller holds ``_lock``."""
-        if self._state.capacity_segments is None:
-            return True
-        return len(self._state.segments) + 1 < self._state.capacity_segments
 
     def _prepare_loop(self) -> None:
         """Keep one spare segment ready so rolling never waits on fallocate."""
@@ -570,13 +559,13 @@ class KVStore:
             or st.preparing
             or st.failed is not None
             or st.next_lsn + 2 >= st.lease_until
-            or not self._spare_allowed()
+            or not self._state.spare_allowed_locked()
         ):
             return None
         st.preparing = True
         segment_id = st.next_segment_id
         st.next_segment_id += 1
-        return segment_id, self._take_lsn()
+        return segment_id, self._state.take_lsn_locked()
 
     def _take_spare(self) -> Segment | None:
         """The prepared spare, if any. Caller holds ``_lock`` and made sure no spare is
@@ -591,7 +580,7 @@ class KVStore:
         segment = self._take_spare()
         if segment is None:
             segment_id = st.next_segment_id
-            generation = self._take_lsn()
+            generation = self._state.take_lsn_locked()
             segment = self._new_segment(segment_id, generation)
             st.next_segment_id += 1
             st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
@@ -606,15 +595,6 @@ class KVStore:
         st.pending.append(encode_segment_open(generation, segment_id, generation))
         st.active = segment
         return segment
-
-    def _may_roll(self, for_gc: bool) -> bool:
-        """Whether a new segment fits the capacity. Caller holds ``_lock``."""
-        if self._state.capacity_segments is None:
-            return True
-        limit = self._state.capacity_segments
-        if not for_gc:
-            limit -= self.config.gc_reserve_segments
-        return len(self._state.segments) < limit
 
     def _reserve(
         self,
@@ -646,7 +626,7 @@ class KVStore:
                 if not needs_lease and not must_drain:
                     segment = st.active
                     if segment is None or segment.remaining() < span:
-                        if not self._may_roll(for_gc):
+                        if not self._state.may_roll_locked(for_gc):
                             if for_gc:
                                 raise StoreFullError(
                                     "GC has no free segment to relocate pages into"
@@ -663,7 +643,7 @@ class KVStore:
                         assert segment is not None
                         offset = segment.head
                         segment.head += span
-                        lsn = self._take_lsn()
+                        lsn = self._state.take_lsn_locked()
                         st.inflight += 1
                         st.segment_writers[segment.segment_id] += 1
                         return segment, offset, lsn
@@ -686,17 +666,7 @@ class KVStore:
                         "evicted: every remaining page is pinned or retained"
                     )
                 room_attempts += 1
-                self._make_room()
-
-    def _finish_inflight(self, segment_id: int) -> None:
-        """A reserved write into ``segment_id`` is done (or abandoned). Caller holds ``_lock``."""
-        st = self._state
-        st.segment_writers[segment_id] -= 1
-        if not st.segment_writers[segment_id]:
-            del st.segment_writers[segment_id]
-        st.inflight -= 1
-        if st.inflight == 0 and st.freezing:
-            st.cond.notify_all()
+                self._collector.make_room()
 
     # -- writes --------------------------------------------------------------
 
@@ -860,7 +830,7 @@ class KVStore:
         """Release the reservations of pages that were never written."""
         with self._state.lock:
             for page in pages:
-                self._finish_inflight(page.segment.segment_id)
+                self._state.finish_inflight_locked(page.segment.segment_id)
 
     def _complete_puts(
         self, queue: IOQueue, in_flight: dict[int, _PendingWrite], wanted: int
@@ -877,7 +847,7 @@ class KVStore:
             writes.append(write)
             if result != write.length:
                 errno = -result if result < 0 else None
-                error = self._fail(
+                error = self._state.fail(
                     WriterFailedError(
                         f"write of {write.length} bytes to segment {write.segment.segment_id} "
                         f"at offset {write.offset} returned {result}",
@@ -915,7 +885,7 @@ class KVStore:
             # and the next flush() returns (issue 13).
             pending_records = st.pending
             for pending in published:
-                self._finish_inflight(pending.segment.segment_id)
+                self._state.finish_inflight_locked(pending.segment.segment_id)
             puts = host = spans = 0
             for pending, record in zip(published, records, strict=True):
                 if record is None:
@@ -951,7 +921,7 @@ class KVStore:
                 lease_needed = True
             else:
                 lease_needed = False
-                lsn = self._take_lsn()
+                lsn = self._state.take_lsn_locked()
                 apply_delete(st.table, st.segment_states, raw, lsn)
                 st.pending.append(encode_delete(lsn, raw))
                 st.retains.discard(raw)
@@ -977,7 +947,7 @@ class KVStore:
         try:
             os.fdatasync(segment.fd)
         except OSError as e:
-            raise self._fail(
+            raise self._state.fail(
                 WriterFailedError(f"fdatasync of segment {segment.path.name} failed", e.errno)
             ) from e
 
@@ -1022,10 +992,10 @@ class KVStore:
                 self._wal.append(joined)
                 self._wal.sync()
             except WriterFailedError as e:
-                raise self._fail(e) from e
+                raise self._state.fail(e) from e
             except BaseException as e:
                 # Part of the batch may be in the WAL file: nothing later may follow it.
-                self._fail(
+                self._state.fail(
                     WriterFailedError(f"a WAL append was interrupted ({type(e).__name__}: {e})")
                 )
                 raise
@@ -1043,29 +1013,11 @@ class KVStore:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
         self._checkpoint()
 
-    @contextlib.contextmanager
-    def _writers_frozen(self) -> Iterator[None]:
-        """The writer barrier, the one copy: no reservation is in flight inside, and
-        none starts until the block ends (writers wait in ``_reserve``). Checkpoint,
-        mark-and-sweep and fsck's repairs hold it; a writer holding reservations must
-        drain them before it waits here, or the freeze would wait for it."""
-        st = self._state
-        with st.cond:
-            st.freezing += 1
-            while st.inflight:
-                st.cond.wait()
-        try:
-            yield
-        finally:
-            with st.cond:
-                st.freezing -= 1
-                st.cond.notify_all()
-
     def _checkpoint(self) -> None:
         st = self._state
         assert self._wal is not None
         with self._checkpoint_lock:
-            with self._commit_lock, self._writers_frozen():
+            with self._commit_lock, self._state.writers_frozen():
                 self._commit_locked()
                 with st.lock:
                     frozen = st.table.freeze()
@@ -1073,7 +1025,7 @@ class KVStore:
                         segment_id: dataclasses.replace(state)
                         for segment_id, state in st.segment_states.items()
                     }
-                    first_lsn = self._take_lsn()
+                    first_lsn = self._state.take_lsn_locked()
                     meta = {
                         META_CHECKPOINT_LSN: first_lsn,
                         META_LSN_LEASE: max(st.lease_until, st.next_lsn),
@@ -1087,7 +1039,7 @@ class KVStore:
                 except KVStoreError as e:
                     with st.lock:
                         st.table.thaw(frozen)
-                    raise self._fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
+                    raise self._state.fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
                 with st.lock:
                     st.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
             wchar_before = tc.read_io_wchar()
@@ -1153,7 +1105,7 @@ class KVStore:
             f"the {thread} thread stopped on an unexpected {type(error).__name__}: {error}"
         )
         failure.__cause__ = error
-        self._fail(failure)
+        self._state.fail(failure)
 
     # -- reads ---------------------------------------------------------------
 
@@ -1274,7 +1226,7 @@ class KVStore:
                     for index in held:
                         entry = wanted[index][1]
                         assert entry is not None
-                        self._release_reader(entry.segment_id)
+                        self._state.release_reader_locked(entry.segment_id)
                 key, entry = stuck
                 for index in retry:  # nothing of this call stays held
                     wanted[index] = (wanted[index][0], None)
@@ -1290,13 +1242,7 @@ class KVStore:
         with self._state.lock:
             for _, entry in wanted:
                 if entry is not None:
-                    self._release_reader(entry.segment_id)
-
-    def _release_reader(self, segment_id: int) -> None:
-        """Caller holds ``_lock``."""
-        self._state.segment_readers[segment_id] -= 1
-        if not self._state.segment_readers[segment_id]:
-            del self._state.segment_readers[segment_id]
+                    self._state.release_reader_locked(entry.segment_id)
 
     def _read_entries(
         self,
@@ -1523,7 +1469,7 @@ class KVStore:
             tv = st.tv
             with st.lock:
                 if entry is not None:
-                    self._release_reader(entry.segment_id)
+                    self._state.release_reader_locked(entry.segment_id)
                 tv[tc.GETS] += 1
                 if result is None:
                     tv[tc.MISSES] += 1
@@ -1691,7 +1637,7 @@ class KVStore:
                 if (raw in st.retains) == retained:
                     return retained
                 if st.next_lsn + 2 < st.lease_until:
-                    lsn = self._take_lsn()
+                    lsn = self._state.take_lsn_locked()
                     st.pending.append(encode_retain(lsn, raw, retained))
                     if retained:
                         st.retains.add(raw)
@@ -1716,473 +1662,20 @@ class KVStore:
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
         started = time.monotonic()
-        started_ns = time.perf_counter_ns()
         report = GCTally()
-        with self._gc_lock:
-            if full:
-                self._mark_and_sweep(report)
-            self._free_empty_segments(report)
-            self._compact_sparse(report)
-            if self._state.capacity_segments is not None:
-                self._evict_until_watermark(report)
-        self._last_gc = time.monotonic()
-        self._count_gc_pass(started_ns)
+        self._collector.run_pass(report, full=full)
         return report.freeze(time.monotonic() - started)
-
-    def _count_gc_pass(self, started_ns: int) -> None:
-        elapsed_ns = time.perf_counter_ns() - started_ns
-        with self._state.lock:
-            self._state.tv[tc.GC_PASSES] += 1
-            tc.observe(self._state.tv, tc.OP_GC, elapsed_ns)
 
     def _gc_loop(self) -> None:
         try:
             while not self._stop.wait(self.config.gc_interval_s):
                 try:
-                    started_ns = time.perf_counter_ns()
-                    with self._gc_lock:
-                        tally = GCTally()
-                        self._free_empty_segments(tally)
-                        self._compact_sparse(tally)
-                        if self._state.capacity_segments is not None:
-                            self._evict_until_watermark(tally)
-                    self._count_gc_pass(started_ns)
+                    self._collector.run_pass(GCTally())
                 except (KVStoreError, OSError):
                     if self._state.failed is not None or self._closed:
                         return
         except BaseException as e:
             self._background_failed("kvstore-gc", e)
-
-    def _free_segment_count(self) -> int:
-        assert self._state.capacity_segments is not None
-        return self._state.capacity_segments - len(self._state.segments)
-
-    def _make_room(self) -> None:
-        """Called by a writer that found no room: evict until the watermark is met."""
-        with self._gc_lock:
-            with self._state.lock:
-                if self._may_roll(False):
-                    return
-            tally = GCTally()
-            self._free_empty_segments(tally)
-            self._evict_until_watermark(tally)
-
-    def _sealed_ids(self) -> list[int]:
-        with self._state.lock:
-            active = self._state.active.segment_id if self._state.active is not None else None
-            return [
-                segment_id
-                for segment_id, state in self._state.segment_states.items()
-                if segment_id != active and state.state == SEGMENT_SEALED
-            ]
-
-    def _free_empty_segments(self, tally: GCTally) -> None:
-        for segment_id in self._sealed_ids():
-            with self._state.lock:
-                state = self._state.segment_states.get(segment_id)
-                empty = state is not None and state.live_pages == 0
-            if empty:
-                self._free_segment(segment_id, tally)
-
-    def _free_segment(self, segment_id: int, tally: GCTally) -> bool:
-        """Free a sealed segment with no live, pinned or in-read page: WAL first, then unlink.
-
-        Runs under the commit lock: PUT records naming this segment may still be
-        pending, and the commit that makes them durable must fdatasync the
-        segment first (it is no longer in ``_segments`` once popped).
-        """
-        with self._commit_lock:
-            segment = self._free_segment_locked(segment_id)
-        if segment is None:
-            return False
-        if not self._recycle(segment):
-            segment.close()
-            try:
-                segment.path.unlink(missing_ok=True)
-            except OSError:
-                pass  # its SEGMENT_FREE is durable: the next open removes the orphan file
-        with self._state.lock:
-            self._state.tv[tc.SEGMENTS_FREED] += 1
-        tally.segments_freed += 1
-        return True
-
-    def _free_segment_locked(self, segment_id: int) -> Segment | None:
-        """Drop the segment from the index and commit that; None if it may not go yet."""
-        st = self._state
-        with st.lock:
-            state = st.segment_states.get(segment_id)
-            if (
-                state is None
-                or state.live_pages != 0
-                or st.segment_pins.get(segment_id)
-                or st.segment_readers.get(segment_id)
-                or st.segment_writers.get(segment_id)
-                or (st.active is not None and st.active.segment_id == segment_id)
-            ):
-                return None
-            segment = st.segments.pop(segment_id)
-            del st.segment_states[segment_id]
-            st.dropped_segments.append(segment_id)
-            st.pending.append(encode_segment_free(self._take_lsn(), segment_id, state.generation))
-        try:
-            if segment.dirty:  # its records may be in this very commit
-                self._sync_segment(segment)
-            # not flush(): close() may have begun, and the free must still land
-            self._commit_locked()  # durable before the file goes or is reused
-        except BaseException:
-            segment.close()
-            raise
-        return segment
-
-    def _recycle(self, segment: Segment) -> bool:
-        """Turn a freed segment's file into the spare (written extents are cheaper)."""
-        with self._state.cond:
-            claimed = self._claim_spare()
-        if claimed is None:
-            return False
-        segment_id, generation = claimed
-        spare: Segment | None = None
-        try:
-            spare = recycle_segment(
-                self.root, segment, segment_id, generation, store_uuid=self.superblock.store_uuid
-            )
-        except KVStoreError:
-            return False
-        finally:
-            with self._state.cond:
-                self._state.spare = spare
-                self._state.preparing = False
-                if spare is not None:
-                    self._state.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-                self._state.cond.notify_all()
-        return True
-
-    def _compact_sparse(self, tally: GCTally) -> None:
-        if self._state.capacity_segments is not None and not self._state.policy.page_granular:
-            # Segment-granular eviction reclaims the oldest segments whole; copying
-            # sparse ones forward first would only add write amplification.
-            return
-        threshold = self.config.gc_live_ratio * self.config.segment_bytes
-        with self._state.lock:
-            sparse = sorted(
-                (state.live_bytes, segment_id)
-                for segment_id, state in self._state.segment_states.items()
-                if state.state == SEGMENT_SEALED
-                and (self._state.active is None or segment_id != self._state.active.segment_id)
-                and state.live_bytes < threshold
-                and not self._state.segment_pins.get(segment_id)
-            )
-        for live_bytes, segment_id in sparse:
-            if not self._room_for_gc(live_bytes):
-                return  # no room to copy into; eviction must run first
-            if self._empty_segment(segment_id, tally, evict=lambda key: False):
-                self._free_segment(segment_id, tally)
-
-    def _room_for_gc(self, live_bytes: int) -> bool:
-        """Whether ``live_bytes`` of relocated pages fit without exceeding capacity."""
-        with self._state.lock:
-            room = self._state.active.remaining() if self._state.active is not None else 0
-            if self._may_roll(True):
-                room += self.config.segment_bytes
-            return live_bytes + BLOCK_BYTES <= room
-
-    def _evict_until_watermark(self, tally: GCTally) -> None:
-        watermark = self.config.low_watermark_segments + self.config.gc_reserve_segments
-        stalled = 0
-        while True:
-            with self._state.lock:
-                free_before = self._free_segment_count()
-                if free_before >= watermark:
-                    return
-                patience = len(self._state.segments) + 1
-            if self._state.policy.page_granular:
-                self._evict_pages(tally)
-            else:
-                self._evict_one_segment(tally)
-            with self._state.lock:
-                progressed = self._free_segment_count() > free_before
-            # A pass can free a segment yet fill another with relocated pages
-            # (retained, or hot pages on their second chance). Give up only after
-            # a whole round of passes made no net room.
-            stalled = 0 if progressed else stalled + 1
-            if stalled >= patience:
-                return
-
-    def _segment_views(self) -> list[SegmentView]:
-        sealed = set(self._sealed_ids())
-        with self._state.lock:
-            return [
-                SegmentView(
-                    segment_id,
-                    state.live_bytes,
-                    state.live_pages,
-                    state.created_unix_ns,
-                    bool(self._state.segment_pins.get(segment_id)),
-                )
-                for segment_id, state in self._state.segment_states.items()
-                if segment_id in sealed
-            ]
-
-    def _evict_one_segment(self, tally: GCTally) -> None:
-        tried: set[int] = set()
-        while True:
-            views = [view for view in self._segment_views() if view.segment_id not in tried]
-            with self._state.lock:  # policy calls are serialised by the store lock (but victims)
-                victim = self._state.policy.choose_segment(views)
-            if victim is None:
-                return
-            tried.add(victim)
-
-            def evict(key: bytes) -> bool:
-                # A pinned key's current version may live here while the pin holds an
-                # older one elsewhere: relocate it too, so a pinned reader never misses.
-                with self._state.lock:  # keep() updates the state on_read() updates
-                    if key in self._state.retains or key in self._state.pins:
-                        return False
-                    return not self._state.policy.keep(key)
-
-            if self._empty_segment(victim, tally, evict=evict) and self._free_segment(
-                victim, tally
-            ):
-                return
-
-    def _evict_pages(self, tally: GCTally) -> None:
-        with self._state.lock:
-            protected = set(self._state.pins) | self._state.retains
-        candidates = [key for key in self._state.table.keys() if key not in protected]  # noqa: SIM118
-        freed_before = tally.segments_freed
-        per_segment = max(1, len(candidates) // max(1, len(self._state.segments)))
-        for key in self._state.policy.victims(candidates, per_segment):
-            entry = self._state.table.get(key)
-            if entry is not None:
-                self._evict_entry(key, entry, tally)
-        self._free_empty_segments(tally)
-        if tally.segments_freed > freed_before:
-            return
-        # Evictions left holes: compact the sparsest sealed segment.
-        views = sorted(self._segment_views(), key=lambda view: view.live_bytes)
-        for view in views:
-            if view.has_pins or not self._room_for_gc(view.live_bytes):
-                continue
-            if self._empty_segment(view.segment_id, tally, evict=lambda key: False):
-                self._free_segment(view.segment_id, tally)
-                return
-
-    def _evict_entry(self, key: bytes, entry: PageEntry, tally: GCTally) -> bool:
-        """Evict a page if it is still ``entry`` and unprotected; logged like a delete.
-
-        The DELETE carries the evicted version's own LSN, not a new one: a put of
-        the same key that was already in flight (an older reservation, so a lower
-        LSN than a fresh one) is newer than what was evicted and must win.
-        """
-        st = self._state
-        with st.cond:
-            self._wait_writable()
-            if st.table.get(key) != entry or key in st.pins or key in st.retains:
-                return False
-            apply_delete(st.table, st.segment_states, key, entry.lsn)
-            st.pending.append(encode_delete(entry.lsn, key))
-            st.policy.on_delete(key)
-            st.evictions[st.policy.name] += 1
-            st.tv[tc.EVICTED_PAGES] += 1
-            st.tv[tc.EVICTED_BYTES] += entry.payload_bytes
-        tally.pages_evicted += 1
-        tally.bytes_evicted += entry.payload_bytes
-        return True
-
-    def _scan_segment(self, segment_id: int) -> Iterator[tuple[int, _RecordHeader, memoryview]]:
-        """Every well-formed record of a sealed segment, read in large chunks."""
-        with self._state.lock:
-            segment = self._state.segments.get(segment_id)
-            state = self._state.segment_states.get(segment_id)
-            if segment is None or state is None:
-                return
-            self._state.segment_readers[segment_id] += 1
-            end = state.head_bytes
-        try:
-            chunk_bytes = max(8 << 20, record_span(self.config.max_page_bytes))
-            queue = self._engine.queue("gc")
-            offset = BLOCK_BYTES
-            buffer = self._buffers.acquire(chunk_bytes)
-            try:
-                while offset < end:
-                    length = min(chunk_bytes, end - offset)
-                    result = run_all(queue, [("r", segment.fd, offset, buffer.view[:length])])[0]
-                    if result != length:
-                        raise IOFailure(f"GC read of segment {segment_id} returned {result}")
-                    position = 0
-                    while position < length:
-                        block = buffer.view[position : position + BLOCK_BYTES]
-                        try:
-                            header = decode_record_header(
-                                block, max_page_bytes=self.config.max_page_bytes
-                            )
-                        except KVStoreError:
-                            position += BLOCK_BYTES  # a hole left by a write that never landed
-                            continue
-                        span = record_span(header.payload_bytes)
-                        if (
-                            header.segment_id != segment_id
-                            or header.generation != segment.generation
-                            or header.offset != offset + position
-                        ):
-                            position += BLOCK_BYTES
-                            continue
-                        if position + span > length:
-                            break
-                        yield offset + position, header, buffer.view[position : position + span]
-                        position += span
-                    if position == 0:
-                        raise CorruptionError(f"segment {segment_id}: record larger than a chunk")
-                    offset += position
-            finally:
-                self._buffers.release(buffer)
-        finally:
-            with self._state.lock:
-                self._release_reader(segment_id)
-
-    def _empty_segment(
-        self, segment_id: int, tally: GCTally, *, evict: Callable[[bytes], bool]
-    ) -> bool:
-        """Move (or evict, where ``evict(key)``) every live page out of a segment.
-
-        Returns False if a page could not leave (pinned, or corrupt).
-        """
-        tally.segments_scanned += 1
-        complete = True
-        for offset, header, record in self._scan_segment(segment_id):
-            entry = self._state.table.get(header.key)
-            if (
-                entry is None
-                or entry.segment_id != segment_id
-                or entry.offset != offset
-                or entry.lsn != header.lsn
-            ):
-                continue  # dead: overwritten, deleted or evicted
-            with self._state.lock:
-                if self._state.segment_pins.get(segment_id):
-                    return False
-            if evict(header.key):
-                if not self._evict_entry(header.key, entry, tally):
-                    complete = complete and self._state.table.get(header.key) != entry
-                continue
-            try:
-                verify_record(
-                    header.key,
-                    entry,
-                    record,
-                    entry.span_bytes,
-                    max_page_bytes=self.config.max_page_bytes,
-                )
-            except CorruptionError:
-                complete = False  # leave it for fsck; never copy bad bytes forward
-                continue
-            try:
-                self._move(header.key, entry, record, tally)
-            except StoreFullError:
-                return False  # out of GC room; what moved so far stays valid
-        return complete
-
-    def _move(self, key: bytes, entry: PageEntry, record: memoryview, tally: GCTally) -> None:
-        """Copy a verified record to the active segment; publish only if unchanged."""
-        st = self._state
-        span = entry.span_bytes
-        segment, offset, _ = self._reserve(span, for_gc=True)
-        try:
-            buffer = self._buffers.acquire(span)
-        except BaseException:
-            with st.lock:
-                self._finish_inflight(segment.segment_id)
-            raise
-        try:
-            buffer.view[:span] = record
-            encode_record_header_into(
-                buffer.view,
-                RecordHeader(
-                    RECORD_PAGE,
-                    key,
-                    entry.meta,
-                    entry.payload_bytes,
-                    entry.lsn,
-                    segment.segment_id,
-                    offset,
-                    segment.generation,
-                    entry.payload_checksum,
-                ),
-            )
-            result = run_all(
-                self._engine.queue("gc"), [("w", segment.fd, offset, buffer.view[:span])]
-            )
-        except BaseException:
-            with st.lock:
-                self._finish_inflight(segment.segment_id)
-            raise
-        finally:
-            self._buffers.release(buffer)
-        moved = dataclasses.replace(
-            entry, segment_id=segment.segment_id, offset=offset, generation=segment.generation
-        )
-        with st.lock:
-            self._finish_inflight(segment.segment_id)
-            if result[0] != span:
-                error = WriterFailedError(f"GC write to segment {segment.segment_id} failed")
-                if st.failed is None:
-                    st.failed = error
-                raise error
-            segment.dirty = True
-            st.tv[tc.GC_COPY] += span
-            if st.table.get(key) != entry:
-                return  # overwritten or deleted meanwhile: the copy is garbage
-            old = (entry.segment_id, entry.generation, entry.offset)
-            apply_move(
-                st.table,
-                st.segment_states,
-                key,
-                moved,
-                old,
-                checkpoint_lsn=st.checkpoint_lsn,
-            )
-            st.pending.append(
-                encode_move(
-                    entry.lsn,
-                    MoveBody(
-                        PutBody(
-                            key,
-                            moved.segment_id,
-                            moved.generation,
-                            moved.offset,
-                            moved.payload_bytes,
-                            moved.payload_checksum,
-                            moved.meta,
-                        ),
-                        entry.segment_id,
-                        entry.generation,
-                        entry.offset,
-                    ),
-                )
-            )
-            st.tv[tc.GC_MOVED_PAGES] += 1
-        tally.pages_moved += 1
-        tally.bytes_moved += span
-
-    def _mark_and_sweep(self, tally: GCTally) -> None:
-        """Recompute live bytes per segment from the page table; fix and count drift."""
-        with self._writers_frozen():  # writers held still: the sweep sees one state
-            live: Counter[int] = Counter()
-            pages: Counter[int] = Counter()
-            for _, entry in self._state.table.items():
-                live[entry.segment_id] += entry.span_bytes
-                pages[entry.segment_id] += 1
-            with self._state.lock:
-                for segment_id, state in self._state.segment_states.items():
-                    if (
-                        state.live_bytes != live[segment_id]
-                        or state.live_pages != pages[segment_id]
-                    ):
-                        tally.drift_segments += 1
-                        tally.drift_bytes += abs(state.live_bytes - live[segment_id])
-                        state.live_bytes = live[segment_id]
-                        state.live_pages = pages[segment_id]
 
     def check(
         self,
@@ -2379,7 +1872,7 @@ class StoreInternals:
         if store.readonly:
             yield
             return
-        with store._gc_lock, store._writers_frozen():
+        with store._collector.lock, store._state.writers_frozen():
             yield
 
     def view_moved(self) -> bool:
@@ -2443,7 +1936,7 @@ class StoreInternals:
     def release_segment(self, segment_id: int) -> None:
         store = self._store
         with store._state.lock:
-            store._release_reader(segment_id)
+            store._state.release_reader_locked(segment_id)
 
     def spare_segment(self) -> tuple[int, Path] | None:
         """The segment the prepare thread made ahead (id, file), or None."""

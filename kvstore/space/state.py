@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvstore.errors import WriterFailedError
 from kvstore.format.entries import PageEntry
@@ -46,6 +48,7 @@ class StoreState:
         "next_segment_id",
         "capacity_bytes",
         "capacity_segments",
+        "gc_reserve_segments",
         "dropped_segments",
         "gone_segments",
         "segment_readers",
@@ -83,6 +86,7 @@ class StoreState:
         dropped_segments: list[int],
         capacity_bytes: int | None,
         segment_bytes: int,
+        gc_reserve_segments: int,
         policy: EvictionPolicy,
         tv: list[int],
     ) -> None:
@@ -100,6 +104,7 @@ class StoreState:
         # Constant after open.
         self.capacity_bytes = capacity_bytes
         self.capacity_segments = capacity_bytes // segment_bytes if capacity_bytes else None
+        self.gc_reserve_segments = gc_reserve_segments
         self.dropped_segments = dropped_segments  # freed since the last checkpoint
         # Read-only: segments of this view the live writer freed before they could
         # be opened. Their pages are misses (docs/operations.md, "Readers").
@@ -124,3 +129,66 @@ class StoreState:
         self.tv = tv  # the telemetry recorder's counter vector
         # A read-only view's reads of records the writer freed since the view (misses).
         self.stale_reads = 0
+
+    # -- small steps every component takes under the lock ---------------------
+
+    def take_lsn_locked(self) -> int:
+        """The next LSN (or single-threaded during open)."""
+        lsn = self.next_lsn
+        self.next_lsn += 1
+        return lsn
+
+    def spare_allowed_locked(self) -> bool:
+        """A spare segment may exist (it counts against capacity)."""
+        if self.capacity_segments is None:
+            return True
+        return len(self.segments) + 1 < self.capacity_segments
+
+    def may_roll_locked(self, for_gc: bool) -> bool:
+        """Whether a new segment fits the capacity (GC may use the reserve)."""
+        if self.capacity_segments is None:
+            return True
+        limit = self.capacity_segments
+        if not for_gc:
+            limit -= self.gc_reserve_segments
+        return len(self.segments) < limit
+
+    def finish_inflight_locked(self, segment_id: int) -> None:
+        """A reserved write into ``segment_id`` is done (or abandoned)."""
+        self.segment_writers[segment_id] -= 1
+        if not self.segment_writers[segment_id]:
+            del self.segment_writers[segment_id]
+        self.inflight -= 1
+        if self.inflight == 0 and self.freezing:
+            self.cond.notify_all()
+
+    def release_reader_locked(self, segment_id: int) -> None:
+        """A read of ``segment_id`` (counted in ``segment_readers``) is done."""
+        self.segment_readers[segment_id] -= 1
+        if not self.segment_readers[segment_id]:
+            del self.segment_readers[segment_id]
+
+    def fail(self, error: WriterFailedError) -> WriterFailedError:
+        """Stop the writer for good with ``error`` (the first failure wins). Takes the lock."""
+        with self.lock:
+            if self.failed is None:
+                self.failed = error
+        return error
+
+    @contextmanager
+    def writers_frozen(self) -> Iterator[None]:
+        """The writer barrier, the one copy: no reservation is in flight inside, and
+        none starts until the block ends (writers wait in the store's reserve step).
+        Checkpoint, mark-and-sweep and fsck's repairs hold it; a writer holding
+        reservations must drain them before it waits here, or the freeze would wait
+        for it. Takes the lock: the caller must not hold it."""
+        with self.cond:
+            self.freezing += 1
+            while self.inflight:
+                self.cond.wait()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.freezing -= 1
+                self.cond.notify_all()

@@ -59,3 +59,22 @@ def test_io_uring_engine_gives_its_maps_back(tmp_path: Path, io_uring_supported:
     if not io_uring_supported:
         pytest.skip("io_uring is not available here")
     assert _growth(tmp_path / "store", "io_uring") < OPENS * 4
+
+
+def test_a_closed_store_is_freed_without_the_cycle_collector(tmp_path: Path) -> None:
+    """The components' callbacks refer back to the store; close drops them, so a closed
+    store (and its buffers) goes as soon as the last reference does."""
+    import gc
+    import weakref
+
+    store = KVStore.open(tmp_path / "store", create=True, segment_bytes=1 << 20)
+    store.put("k", b"v" * 4096)
+    store.gc()
+    store.close()
+    ref = weakref.ref(store)
+    gc.disable()
+    try:
+        del store
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -352,13 +352,13 @@ def test_overwrite_during_move_wins(open_store: OpenStore) -> None:
     store.put(key(4), value(4))  # rolls segment 1 into sealed state
     for index in (1, 2, 3):
         store.delete(key(index))
-    original_move = store._move
+    original_move = store._collector._move
 
     def move_racing_an_overwrite(*args, **kwargs):  # type: ignore[no-untyped-def]
         store.put(key(0), value(0, version=1))
         return original_move(*args, **kwargs)
 
-    store._move = move_racing_an_overwrite  # type: ignore[method-assign]
+    store._collector._move = move_racing_an_overwrite  # type: ignore[method-assign]
     store.gc()
     assert store.get(key(0)) == value(0, version=1)
     store.close()
@@ -452,7 +452,7 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
     original = store._complete_puts
 
     def evict_old_version_first(*args, **kwargs):  # type: ignore[no-untyped-def]
-        assert store._evict_entry(key(0), old, GCTally())
+        assert store._collector._evict_entry(key(0), old, GCTally())
         return original(*args, **kwargs)
 
     store._complete_puts = evict_old_version_first  # type: ignore[method-assign]

@@ -29,6 +29,7 @@ import pytest
 import xxhash
 
 from kvstore import KVStore, WriterFailedError
+from kvstore.space.gc import Collector
 from kvstore.space.policies import LRUPolicy
 from tests.conftest import OpenStore, open_small_store
 
@@ -270,10 +271,10 @@ def test_an_unexpected_error_in_the_gc_thread_stops_the_writer_with_the_reason(
 ) -> None:
     store = open_store(gc_interval_s=0.01)
 
-    def broken(tally: Any) -> None:
+    def broken(self: Collector, tally: Any) -> None:
         raise RuntimeError("a bug in GC")
 
-    monkeypatch.setattr(store, "_free_empty_segments", broken)
+    monkeypatch.setattr(Collector, "_free_empty_segments", broken)
     _wait_for_failure(store)
     with pytest.raises(WriterFailedError, match=r"kvstore-gc.*RuntimeError.*a bug in GC"):
         store.put("a", page("a"))
