@@ -768,7 +768,7 @@ def _reused_since_view(run: _Run, entry: PageEntry) -> bool:
     """Read-only beside a live writer: whether the writer has freed the segment of
     ``entry`` since the view was taken and reused its file (then the record read
     is no longer this view's, and not damage)."""
-    return run.live_writer and run.store.readonly and run.store._recycled_since_view(entry)
+    return run.live_writer and run.store.readonly and run.store.internals.recycled_since_view(entry)
 
 
 def _record_problem(

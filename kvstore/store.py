@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -90,7 +89,6 @@ from kvstore.index.table import (
     META_NEXT_SEGMENT,
     META_PAGE_COUNT,
     SegmentState,
-    Tombstone,
 )
 from kvstore.inputs import (
     check_fits,
@@ -108,14 +106,14 @@ from kvstore.io.files import (
     probe_direct_read,
 )
 from kvstore.log.regular import read_regular, require_regular
-from kvstore.log.segment_reader import direct_target, record_views, verify_record
+from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.segments import (
     Segment,
     create_segment,
-    read_segment_header,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.gc import Collector
+from kvstore.space.internals import StoreInternals
 from kvstore.space.policies import make_policy
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
@@ -278,9 +276,6 @@ class KVStore:
         self._engine: IOEngine = make_engine(
             config.io_engine, config.io_depth, config.uring_binding
         )
-        # Single-page reads poll their completion on io_uring (see StoreConfig.read_poll_us).
-        self._poll_ns = config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0
-        self._read_tokens = itertools.count()
         self._buffers = BufferPool()
         self._index_salvage: IndexSalvage | None = None
         self._salvage_dir: Path | None = None  # read-only: a private rebuilt index
@@ -320,6 +315,16 @@ class KVStore:
             policy=make_policy(config.eviction_policy),
             tv=self._recorder.values,
         )
+        self._reader = SegmentReader(
+            self._state.segments,
+            self._engine,
+            self._buffers,
+            max_page_bytes=config.max_page_bytes,
+            # Single-page reads poll their completion on io_uring (StoreConfig.read_poll_us).
+            poll_ns=config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0,
+            readonly=self.readonly,
+            on_stale=self._state.count_stale_read,  # no reference back to the store
+        )
         damaged: dict[int, str] = {}
         for segment_id, state in sorted(self._state.segment_states.items()):
             try:
@@ -358,6 +363,7 @@ class KVStore:
             store_uuid=self.superblock.store_uuid,
             engine=self._engine,
             buffers=self._buffers,
+            reader=self._reader,
             commit_lock=self._commit_lock,
             commit_locked=self._commit_locked,
             sync_segment=self._sync_segment,
@@ -1120,76 +1126,6 @@ class KVStore:
             return raw, None  # read-only: freed by the live writer since this view
         return raw, entry
 
-    def _submit_read(
-        self, queue: IOQueue, entry: PageEntry, token: int, direct: memoryview | None
-    ) -> AlignedBuffer:
-        segment = self._state.segments.get(entry.segment_id)
-        if segment is None:
-            raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        buffer, views = record_views(self._buffers, entry, direct)
-        queue.readv(segment.fd, entry.offset, views, token)
-        return buffer
-
-    def _read_one(self, entry: PageEntry, direct: memoryview | None) -> tuple[AlignedBuffer, int]:
-        segment = self._state.segments.get(entry.segment_id)
-        if segment is None:
-            raise CorruptionError(f"page in segment {entry.segment_id}, which is not open")
-        buffer, views = record_views(self._buffers, entry, direct)
-        try:
-            result = os.preadv(segment.fd, views, entry.offset)
-        except OSError as e:
-            result = -(e.errno or 5)
-        return buffer, result
-
-    def _checked(
-        self,
-        key: bytes,
-        entry: PageEntry,
-        view: memoryview,
-        result: int,
-        payload: memoryview | None = None,
-    ) -> memoryview | None:
-        """``verify_record``, but for a read-only view a record the live writer has freed
-        and reused since the view was taken is a miss (None), not corruption."""
-        try:
-            return verify_record(
-                key, entry, view, result, payload, max_page_bytes=self.config.max_page_bytes
-            )
-        except CorruptionError:
-            if not self.readonly or not self._recycled_since_view(entry):
-                raise
-        with self._state.lock:
-            self._state.stale_reads += 1
-        return None
-
-    def _recycled_since_view(self, entry: PageEntry) -> bool:
-        """Read-only: whether ``entry``'s segment file now has another identity.
-
-        A writer frees a segment and may reuse its file (``recycle_segment``):
-        the new header block is written, and synced, before anything else in the
-        file changes, so a record this view names can only have changed if the
-        header no longer names the view's segment id and generation. A header
-        that does not decode is read again once (a rewrite may be under way).
-        """
-        segment = self._state.segments.get(entry.segment_id)
-        if segment is None:
-            return False
-        for attempt in range(2):
-            try:
-                header = read_segment_header(segment.fd, segment.path)
-            except CorruptionError:
-                if attempt == 0:
-                    time.sleep(0.001)
-                    continue
-                return False
-            except IOFailure:
-                return False
-            return (header.segment_id, header.generation) != (
-                entry.segment_id,
-                entry.generation,
-            )
-        return False
-
     def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
         """Register reads on the segments holding ``wanted`` so GC cannot free them.
 
@@ -1270,62 +1206,7 @@ class KVStore:
     ) -> list[int | None]:
         st = self._state
         started_ns = time.perf_counter_ns()
-        results: list[int | None] = [None] * len(wanted)
-        queue = self._engine.queue()
-        buffers: dict[int, AlignedBuffer] = {}
-        directs: dict[int, memoryview] = {}
-        error: KVStoreError | None = None
-        present = [index for index, (_, entry) in enumerate(wanted) if entry is not None]
-        if targets is not None:
-            for index in present:
-                entry = wanted[index][1]
-                assert entry is not None
-                direct = direct_target(entry, targets[index])
-                if direct is not None:
-                    directs[index] = direct
-        if len(present) == 1:
-            # One page: a plain preadv (it releases the GIL) beats a ring round trip.
-            index = present[0]
-            key, entry = wanted[index]
-            assert entry is not None
-            direct = directs.get(index)
-            buffer, result = self._read_one(entry, direct)
-            try:
-                payload = self._checked(key, entry, buffer.view, result, direct)
-                if payload is not None:
-                    if direct is None:
-                        sink(index, payload)
-                    results[index] = entry.payload_bytes
-            finally:
-                self._buffers.release(buffer)
-            present = []
-        try:
-            for index in present:
-                entry = wanted[index][1]
-                assert entry is not None
-                buffers[index] = self._submit_read(queue, entry, index, directs.get(index))
-            queue.submit()
-            while queue.in_flight:
-                # Verify each page as it lands while the rest are still in flight.
-                for index, result in queue.wait(1):
-                    key, entry = wanted[index]
-                    assert entry is not None
-                    buffer = buffers.pop(index)
-                    try:
-                        direct = directs.get(index)
-                        payload = self._checked(key, entry, buffer.view, result, direct)
-                        if payload is not None:
-                            if direct is None:
-                                sink(index, payload)
-                            results[index] = entry.payload_bytes
-                    except KVStoreError as e:
-                        error = error or e
-                    finally:
-                        self._buffers.release(buffer)
-        finally:
-            while queue.in_flight:
-                for index, _ in queue.wait(queue.in_flight):
-                    self._buffers.release(buffers.pop(index))
+        results, error = self._reader.read_held(wanted, sink, targets)
         hits = sum(1 for r in results if r is not None)
         done_ns = time.perf_counter_ns()
         tv = st.tv
@@ -1345,30 +1226,6 @@ class KVStore:
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
         return self._get_single(key, _payload_bytes, None)
-
-    def _wait_for(self, queue: IOQueue, token: int) -> int:
-        """The result of request ``token`` on this thread's ``get`` lane.
-
-        Completions of other tokens are of reads an interrupted call abandoned
-        (their buffers were never reused): dropped.
-        """
-        while True:
-            for done_token, result in queue.wait(1, poll_ns=self._poll_ns):
-                if done_token == token:
-                    return result
-
-    def _settle(self, queue: IOQueue, token: int) -> bool:
-        """After an interrupted wait, let the abandoned read finish; True if it did.
-
-        Neither the pool buffer nor the caller's memory should change after the
-        call has returned. If this wait is interrupted too, the read stays
-        abandoned: its pool buffer is dropped and ``_wait_for`` skips its token.
-        """
-        try:
-            self._wait_for(queue, token)
-        except BaseException:
-            return False
-        return True
 
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
@@ -1437,33 +1294,7 @@ class KVStore:
                 assert segment is not None
                 if target is not None:  # the hold may have found a newer, larger page
                     check_fits(target, raw, entry.payload_bytes)
-                direct = None if target is None else direct_target(entry, target)
-                buffer: AlignedBuffer | None
-                buffer, views = record_views(self._buffers, entry, direct)
-                try:
-                    assert buffer is not None
-                    view = buffer.view
-                    if self._poll_ns:
-                        token = next(self._read_tokens)
-                        queue = self._engine.queue("get")
-                        queue.readv(segment.fd, entry.offset, views, token)
-                        try:
-                            done = self._wait_for(queue, token)
-                        except BaseException:
-                            if not self._settle(queue, token):
-                                buffer = None  # still the kernel's to write into: never reuse
-                            raise
-                    else:
-                        try:
-                            done = os.preadv(segment.fd, views, entry.offset)
-                        except OSError as e:
-                            done = -(e.errno or 5)
-                    payload = self._checked(raw, entry, view, done, direct)
-                    if payload is not None:
-                        result = consume(payload, direct is not None)
-                finally:
-                    if buffer is not None:
-                        self._buffers.release(buffer)
+                result = self._reader.read_page(raw, entry, consume, target)
         finally:
             done_ns = time.perf_counter_ns()
             tv = st.tv
@@ -1846,114 +1677,16 @@ class KVStore:
     def internals(self) -> StoreInternals:
         """Typed access to internal state for fsck and the test harnesses (what they
         read through private attributes before). Not a stable API."""
-        return StoreInternals(self)
+        return StoreInternals(
+            self._state,
+            self._env,
+            self._reader,
+            self._collector.lock,
+            readonly=self.readonly,
+            view_moved=lambda: lifecycle.view_moved(self),
+        )
 
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writer"
         state = "closed" if self._closed else "open"
         return f"<KVStore {str(self.root)!r} {mode} {state}>"
-
-
-class StoreInternals:
-    """What fsck and kvstore.testing may see of a ``KVStore``'s internals, typed, each
-    read under the store's lock (``KVStore.internals``). It grows as the private
-    accesses it replaces go (tests/unit/test_layering.py counts those)."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: KVStore) -> None:
-        self._store = store
-
-    @contextlib.contextmanager
-    def writers_frozen(self) -> Iterator[None]:
-        """GC and new writes held still (as ``gc(full=True)`` holds them), on a
-        writable store; nothing to hold on a read-only one."""
-        store = self._store
-        if store.readonly:
-            yield
-            return
-        with store._collector.lock, store._state.writers_frozen():
-            yield
-
-    def view_moved(self) -> bool:
-        """Read-only: whether the writer has checkpointed since this view was taken."""
-        return lifecycle.view_moved(self._store)
-
-    @property
-    def env(self) -> IndexEnv:
-        """The store's LMDB environment (write through ``IndexEnv.write`` only)."""
-        return self._store._env
-
-    def overlay(self) -> dict[bytes, PageEntry | Tombstone]:
-        """The page-table changes not yet checkpointed (frozen ones included), a copy."""
-        store = self._store
-        table = store._state.table
-        with store._state.lock:
-            merged: dict[bytes, PageEntry | Tombstone] = dict(table.frozen or {})
-            merged.update(table.active)
-        return merged
-
-    def entry(self, key: bytes) -> PageEntry | None:
-        """The page table's live entry for ``key`` (overlay, then LMDB)."""
-        return self._store._state.table.get(key)
-
-    def forget_index_value(self, key: bytes) -> None:
-        """fsck removed ``key``'s undecodable LMDB value: count the page gone."""
-        store = self._store
-        with store._state.lock:
-            store._state.table.page_count -= 1
-            store._state.retains.discard(key)
-
-    def segments(self) -> list[tuple[int, Segment, SegmentState | None]]:
-        """The open segment files with their accounting (None: not in the table)."""
-        store = self._store
-        with store._state.lock:
-            return [
-                (segment_id, segment, store._state.segment_states.get(segment_id))
-                for segment_id, segment in store._state.segments.items()
-            ]
-
-    def hold_segment(self, segment_id: int, segment: Segment) -> bool:
-        """Register a read of ``segment`` if it is still the store's, as a get does:
-        GC may not close or reuse its file meanwhile. Pair with ``release_segment``."""
-        store = self._store
-        with store._state.lock:
-            if store._state.segments.get(segment_id) is not segment:
-                return False
-            store._state.segment_readers[segment_id] += 1
-        return True
-
-    def segment_reads(self) -> dict[int, int]:
-        """Reads registered per segment right now (none left after every call ends)."""
-        store = self._store
-        with store._state.lock:
-            return {sid: n for sid, n in store._state.segment_readers.items() if n}
-
-    def gone_segments(self) -> frozenset[int]:
-        """A read-only view: segments the live writer freed since the view was taken."""
-        return frozenset(self._store._state.gone_segments)
-
-    def release_segment(self, segment_id: int) -> None:
-        store = self._store
-        with store._state.lock:
-            store._state.release_reader_locked(segment_id)
-
-    def spare_segment(self) -> tuple[int, Path] | None:
-        """The segment the prepare thread made ahead (id, file), or None."""
-        store = self._store
-        with store._state.cond:
-            spare = store._state.spare
-            return None if spare is None else (spare.segment_id, spare.path)
-
-    def wait_for_spare(self, timeout_s: float) -> tuple[int, Path] | None:
-        """Wait until a spare segment is ready and none is being made; None at the
-        timeout. A test that wants the next segment to be a spare waits here."""
-        store = self._store
-        deadline = time.monotonic() + timeout_s
-        with store._state.cond:
-            while store._state.spare is None or store._state.preparing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                store._state.cond.wait(min(left, 0.05))
-            return store._state.spare.segment_id, store._state.spare.path

@@ -31,19 +31,18 @@ from kvstore.config import StoreConfig
 from kvstore.errors import (
     ClosedError,
     CorruptionError,
-    IOFailure,
     KVStoreError,
     StoreFullError,
     WriterFailedError,
 )
-from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, record_span
+from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE
 from kvstore.format.entries import SEGMENT_SEALED, PageEntry
-from kvstore.format.records import RecordHeader, decode_record_header, encode_record_header_into
+from kvstore.format.records import RecordHeader, encode_record_header_into
 from kvstore.format.wal import MoveBody, PutBody, encode_delete, encode_move, encode_segment_free
 from kvstore.index.recovery import apply_delete, apply_move
 from kvstore.io.buffers import BufferPool
 from kvstore.io.engine import IOEngine, run_all
-from kvstore.log.segment_reader import verify_record
+from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import Segment, recycle_segment
 from kvstore.space.policies import SegmentView
 from kvstore.space.state import StoreState
@@ -63,6 +62,7 @@ class Collector:
         store_uuid: bytes,
         engine: IOEngine,
         buffers: BufferPool,
+        reader: SegmentReader,
         commit_lock: threading.Lock,
         commit_locked: Callable[[], None],
         sync_segment: Callable[[Segment], None],
@@ -76,6 +76,7 @@ class Collector:
         self._store_uuid = store_uuid
         self._engine = engine
         self._buffers = buffers
+        self._reader = reader
         self._commit_lock = commit_lock
         self._commit_locked = commit_locked
         self._sync_segment = sync_segment
@@ -355,7 +356,7 @@ class Collector:
         return True
 
     def _scan_segment(self, segment_id: int) -> Iterator[tuple[int, RecordHeader, memoryview]]:
-        """Every well-formed record of a sealed segment, read in large chunks."""
+        """Every well-formed record of a sealed segment, held for the scan's length."""
         with self._state.lock:
             segment = self._state.segments.get(segment_id)
             state = self._state.segment_states.get(segment_id)
@@ -364,43 +365,7 @@ class Collector:
             self._state.segment_readers[segment_id] += 1
             end = state.head_bytes
         try:
-            chunk_bytes = max(8 << 20, record_span(self._config.max_page_bytes))
-            queue = self._engine.queue("gc")
-            offset = BLOCK_BYTES
-            buffer = self._buffers.acquire(chunk_bytes)
-            try:
-                while offset < end:
-                    length = min(chunk_bytes, end - offset)
-                    result = run_all(queue, [("r", segment.fd, offset, buffer.view[:length])])[0]
-                    if result != length:
-                        raise IOFailure(f"GC read of segment {segment_id} returned {result}")
-                    position = 0
-                    while position < length:
-                        block = buffer.view[position : position + BLOCK_BYTES]
-                        try:
-                            header = decode_record_header(
-                                block, max_page_bytes=self._config.max_page_bytes
-                            )
-                        except KVStoreError:
-                            position += BLOCK_BYTES  # a hole left by a write that never landed
-                            continue
-                        span = record_span(header.payload_bytes)
-                        if (
-                            header.segment_id != segment_id
-                            or header.generation != segment.generation
-                            or header.offset != offset + position
-                        ):
-                            position += BLOCK_BYTES
-                            continue
-                        if position + span > length:
-                            break
-                        yield offset + position, header, buffer.view[position : position + span]
-                        position += span
-                    if position == 0:
-                        raise CorruptionError(f"segment {segment_id}: record larger than a chunk")
-                    offset += position
-            finally:
-                self._buffers.release(buffer)
+            yield from self._reader.scan(segment, end)
         finally:
             with self._state.lock:
                 self._state.release_reader_locked(segment_id)

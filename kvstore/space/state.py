@@ -168,6 +168,11 @@ class StoreState:
         if not self.segment_readers[segment_id]:
             del self.segment_readers[segment_id]
 
+    def count_stale_read(self) -> None:
+        """A read-only view read a record the live writer freed since the view. Takes the lock."""
+        with self.lock:
+            self.stale_reads += 1
+
     def fail(self, error: WriterFailedError) -> WriterFailedError:
         """Stop the writer for good with ``error`` (the first failure wins). Takes the lock."""
         with self.lock:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import kvstore.check as check_module
-import kvstore.store as store_module
+import kvstore.log.segment_reader as reader_module
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.testing import corruption as sweep
 
@@ -139,7 +139,7 @@ def test_harness_counts_wrong_reads_when_verification_is_off(
 ) -> None:
     """Switch off every payload and header check; payload flips must now be counted
     as wrong reads, and nothing detected. Proves the sweep can see a wrong read."""
-    monkeypatch.setattr(store_module, "verify_record", _verify_without_checksums)
+    monkeypatch.setattr(reader_module, "verify_record", _verify_without_checksums)
     monkeypatch.setattr(check_module, "_record_problem", lambda *args: None)
     regions = sweep.map_regions(pristine.root)
     injections = sweep.plan(regions, 25, seed=9, run_fraction=0.0, only={"payload"})
