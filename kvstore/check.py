@@ -936,7 +936,7 @@ def _stray(run: _Run, directory: Path, allowed: set[str], ok: Callable[[str], bo
 def _check_wal(run: _Run) -> None:
     store = run.store
     root = store.root
-    lock = store._checkpoint_lock if not store.readonly else contextlib.nullcontext()
+    lock = store.internals.checkpoint_lock if not store.readonly else contextlib.nullcontext()
     with lock:
         checkpoint_lsn = store._state.checkpoint_lsn
         wal_findings = _wal_findings(root, store.superblock.store_uuid, checkpoint_lsn)

@@ -58,7 +58,7 @@ from kvstore.format.constants import (
     RECORD_PAGE,
     record_span,
 )
-from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
+from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
 from kvstore.format.names import (
     INDEX_DIR,
     LOCK_NAME,
@@ -72,10 +72,8 @@ from kvstore.format.records import (
 from kvstore.format.wal import (
     WAL_FILE_HEADER_BYTES,
     encode_delete,
-    encode_lsn_lease,
     encode_put_fields,
     encode_retain,
-    encode_segment_open,
 )
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
@@ -84,10 +82,6 @@ from kvstore.index.recovery import (
 )
 from kvstore.index.salvage import IndexSalvage
 from kvstore.index.table import (
-    META_CHECKPOINT_LSN,
-    META_LSN_LEASE,
-    META_NEXT_SEGMENT,
-    META_PAGE_COUNT,
     SegmentState,
 )
 from kvstore.inputs import (
@@ -105,16 +99,18 @@ from kvstore.io.files import (
     probe_direct_io,
     probe_direct_read,
 )
+from kvstore.log.journal import Journal
 from kvstore.log.regular import read_regular, require_regular
 from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.segments import (
     Segment,
-    create_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
+from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.internals import StoreInternals
 from kvstore.space.policies import make_policy
+from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
 from kvstore.telemetry import TelemetrySnapshot
@@ -355,7 +351,19 @@ class KVStore:
             self.recovery_notes.extend(salvage.notes)
         if damaged:
             lifecycle.quarantine_segments(self, damaged)
-        self._commit_lock = threading.Lock()
+        self._journal = Journal(
+            self._state,
+            lease_step=config.lsn_lease_step,
+            check_writable=self._check_writable,
+            on_commit=self._recorder.count_commit_locked,
+        )
+        self._segment_set = SegmentSet(
+            self._state,
+            root,
+            store_uuid=self.superblock.store_uuid,
+            segment_bytes=config.segment_bytes,
+            direct=self.direct_io,
+        )
         self._collector = Collector(
             self._state,
             config,
@@ -364,16 +372,12 @@ class KVStore:
             engine=self._engine,
             buffers=self._buffers,
             reader=self._reader,
-            commit_lock=self._commit_lock,
-            commit_locked=self._commit_locked,
-            sync_segment=self._sync_segment,
+            journal=self._journal,
             reserve=lambda span: self._reserve(span, for_gc=True),
             wait_writable=self._wait_writable,
-            claim_spare=lambda: self._claim_spare(),  # late-bound: tests replace it
+            segment_set=self._segment_set,
         )
-        self._checkpoint_lock = threading.Lock()
-        self._last_checkpoint = time.monotonic()
-        self._wal: WalWriter | None = None
+        self._checkpointer = Checkpointer(self._state, self._journal, self._recorder, root)
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._gc_thread: threading.Thread | None = None
@@ -384,7 +388,8 @@ class KVStore:
         lifecycle.choose_active_segment(self)
         chain = recovered.wal_files
         prev = chain[-1].first_lsn if chain else 0
-        self._wal = WalWriter(root, self.superblock.store_uuid, self._state.take_lsn_locked(), prev)
+        first_lsn = self._state.take_lsn_locked()
+        self._journal.wal = WalWriter(root, self.superblock.store_uuid, first_lsn, prev)
         self._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
         self._recorder.start_session()  # counting for stats() starts once open
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
@@ -394,7 +399,10 @@ class KVStore:
         )
         self._telemetry_thread.start()
         self._prepare_thread = threading.Thread(
-            target=self._prepare_loop, name="kvstore-prepare", daemon=True
+            target=self._segment_set.prepare_loop,
+            args=(self._stop,),
+            name="kvstore-prepare",
+            daemon=True,
         )
         self._prepare_thread.start()
         if self.config.gc_interval_s > 0:
@@ -432,9 +440,9 @@ class KVStore:
                 if self._telemetry_thread is not None:
                     self._telemetry_thread.join()
                 if self._state.failed is None:
-                    self._checkpoint()  # persists the telemetry too
+                    self._checkpointer.run()  # persists the telemetry too
                 else:
-                    with self._checkpoint_lock:
+                    with self._checkpointer.lock:
                         self._recorder.persist()
         finally:
             self._release_resources()
@@ -455,9 +463,9 @@ class KVStore:
         collector: Collector | None = getattr(self, "_collector", None)
         if collector is not None:
             collector.close()
-        wal = getattr(self, "_wal", None)
-        if wal is not None:
-            _quietly(wal.close)
+        journal: Journal | None = getattr(self, "_journal", None)
+        if journal is not None:
+            _quietly(journal.close)  # the WAL file too
         for segment in state.segments.values() if state is not None else ():
             _quietly(segment.close)
         env = getattr(self, "_env", None)
@@ -498,109 +506,6 @@ class KVStore:
             self._check_writable()
 
     # -- LSNs, segments, reservation ---------------------------------------
-
-    def _extend_lease(self) -> None:
-        """Make a new LSN lease durable before any LSN past the old one is used."""
-        st = self._state
-        with self._commit_lock:
-            with st.lock:
-                self._check_writable()
-                if st.next_lsn + 2 < st.lease_until:  # the margin _reserve uses
-                    return
-                lsn = self._state.take_lsn_locked()
-                new_lease = st.next_lsn + self.config.lsn_lease_step
-                st.pending.append(encode_lsn_lease(lsn, new_lease))
-            self._commit_locked()
-            with st.lock:
-                st.lease_until = new_lease
-
-    def _new_segment(self, segment_id: int, generation: int) -> Segment:
-        try:
-            return create_segment(
-                self.root,
-                segment_id,
-                generation,
-                size_bytes=self.config.segment_bytes,
-                store_uuid=self.superblock.store_uuid,
-                direct=self.direct_io,
-            )
-        except IOFailure as e:
-            if e.errno == 28:  # ENOSPC: nothing was written, the writer stays healthy
-                raise StoreFullError(
-                    f"no space on the device for a new {self.config.segment_bytes}-byte segment"
-                ) from e
-            raise
-
-    def _prepare_loop(self) -> None:
-        """Keep one spare segment ready so rolling never waits on fallocate."""
-        st = self._state
-        while not self._stop.is_set():
-            st.spare_wanted.wait(0.5)
-            st.spare_wanted.clear()
-            with st.cond:
-                claimed = None if self._stop.is_set() else self._claim_spare()
-            if claimed is None:
-                continue
-            segment_id, generation = claimed
-            spare: Segment | None = None
-            try:
-                spare = self._new_segment(segment_id, generation)
-            except Exception:
-                pass  # the writer creates its next segment itself, and reports the error
-            finally:
-                with st.cond:
-                    st.spare = spare
-                    st.preparing = False
-                    if spare is not None:
-                        st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-                    st.cond.notify_all()
-
-    def _claim_spare(self) -> tuple[int, int] | None:
-        """(id, generation) for a new spare, or None if one exists, is being made, or
-        must not be made now (failed writer, lease exhausted, capacity). Holds ``_cond``;
-        the caller must end with ``_preparing = False`` and notify."""
-        st = self._state
-        if (
-            st.spare is not None
-            or st.preparing
-            or st.failed is not None
-            or st.next_lsn + 2 >= st.lease_until
-            or not self._state.spare_allowed_locked()
-        ):
-            return None
-        st.preparing = True
-        segment_id = st.next_segment_id
-        st.next_segment_id += 1
-        return segment_id, self._state.take_lsn_locked()
-
-    def _take_spare(self) -> Segment | None:
-        """The prepared spare, if any. Caller holds ``_lock`` and made sure no spare is
-        being made (``_reserve`` waits that out first, then re-checks everything)."""
-        assert not self._state.preparing, "a spare is being made; _reserve must wait first"
-        spare, self._state.spare = self._state.spare, None
-        return spare
-
-    def _roll_segment(self) -> Segment:
-        """Open a fresh active segment. Caller holds ``_lock``."""
-        st = self._state
-        segment = self._take_spare()
-        if segment is None:
-            segment_id = st.next_segment_id
-            generation = self._state.take_lsn_locked()
-            segment = self._new_segment(segment_id, generation)
-            st.next_segment_id += 1
-            st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-        segment_id, generation = segment.segment_id, segment.generation
-        st.spare_wanted.set()
-        if st.active is not None:
-            st.segment_states[st.active.segment_id].state = SEGMENT_SEALED
-        st.segments[segment_id] = segment
-        st.segment_states[segment_id] = SegmentState(
-            generation, BLOCK_BYTES, 0, 0, segment.created_unix_ns, SEGMENT_ACTIVE
-        )
-        st.pending.append(encode_segment_open(generation, segment_id, generation))
-        st.active = segment
-        return segment
 
     def _reserve(
         self,
@@ -644,7 +549,7 @@ class KVStore:
                             # start over rather than roll on stale checks.
                             spare_pending = True
                         else:
-                            segment = self._roll_segment()
+                            segment = self._segment_set.roll_locked()
                     if not needs_room and not spare_pending:
                         assert segment is not None
                         offset = segment.head
@@ -664,7 +569,7 @@ class KVStore:
             if must_drain:
                 continue
             if needs_lease:
-                self._extend_lease()
+                self._journal.extend_lease()
             elif needs_room:
                 if room_attempts >= 2:
                     raise StoreFullError(
@@ -935,7 +840,7 @@ class KVStore:
                 st.tv[tc.DELETES] += 1
                 return True
         if lease_needed:
-            self._extend_lease()
+            self._journal.extend_lease()
         return self.delete(key)
 
     # -- durability --------------------------------------------------------
@@ -945,141 +850,21 @@ class KVStore:
         self._check_open()
         if self.readonly:
             return
-        with self._commit_lock:
-            self._commit_locked()
-
-    def _sync_segment(self, segment: Segment) -> None:
-        """fdatasync ``segment``; a failure stops the writer (its pages may not be durable)."""
-        try:
-            os.fdatasync(segment.fd)
-        except OSError as e:
-            raise self._state.fail(
-                WriterFailedError(f"fdatasync of segment {segment.path.name} failed", e.errno)
-            ) from e
-
-    def _commit_locked(self) -> None:
-        """One group commit. Caller holds ``_commit_lock``.
-
-        The records are swapped out under ``_lock``, so from then on they are this
-        commit's alone: it writes all of them, puts them back (nothing reached the
-        WAL), or stops the writer. It never returns having dropped one.
-        """
-        st = self._state
-        assert self._wal is not None
-        with st.lock:
-            if st.failed is not None:
-                raise WriterFailedError(
-                    f"the writer stopped after an earlier failure ({st.failed}); reopen"
-                )
-            records, st.pending = st.pending, []
-            dirty = [segment for segment in st.segments.values() if segment.dirty]
-            for segment in dirty:
-                segment.dirty = False
-            lsn_mark = st.next_lsn - 1
-        if not records and not dirty:
-            return
-        started_ns = time.perf_counter_ns()
-        try:
-            joined = b"".join(records)
-            for segment in dirty:
-                self._sync_segment(segment)
-        except WriterFailedError:
-            raise
-        except BaseException:
-            # Interrupted (KeyboardInterrupt, MemoryError) before the WAL saw any of
-            # it: the next commit takes the records and the segments' syncs over.
-            with st.lock:
-                st.pending[:0] = records
-                for segment in dirty:
-                    segment.dirty = True
-            raise
-        if joined:
-            try:
-                self._wal.append(joined)
-                self._wal.sync()
-            except WriterFailedError as e:
-                raise self._state.fail(e) from e
-            except BaseException as e:
-                # Part of the batch may be in the WAL file: nothing later may follow it.
-                self._state.fail(
-                    WriterFailedError(f"a WAL append was interrupted ({type(e).__name__}: {e})")
-                )
-                raise
-        with st.lock:
-            st.durable_lsn = max(st.durable_lsn, lsn_mark)
-            st.tv[tc.COMMITS] += 1
-            tc.observe(st.tv, tc.OP_FLUSH, time.perf_counter_ns() - started_ns)
-            if joined:
-                st.tv[tc.WAL] += len(joined)
+        self._journal.commit()
 
     def checkpoint(self) -> None:
         """Write the overlay to LMDB and drop WAL files it covers."""
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
-        self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        st = self._state
-        assert self._wal is not None
-        with self._checkpoint_lock:
-            with self._commit_lock, self._state.writers_frozen():
-                self._commit_locked()
-                with st.lock:
-                    frozen = st.table.freeze()
-                    segments = {
-                        segment_id: dataclasses.replace(state)
-                        for segment_id, state in st.segment_states.items()
-                    }
-                    first_lsn = self._state.take_lsn_locked()
-                    meta = {
-                        META_CHECKPOINT_LSN: first_lsn,
-                        META_LSN_LEASE: max(st.lease_until, st.next_lsn),
-                        META_PAGE_COUNT: st.table.page_count,
-                        META_NEXT_SEGMENT: st.next_segment_id,
-                    }
-                    dropped, st.dropped_segments = st.dropped_segments, []
-                    retains = set(st.retains)
-                try:
-                    self._wal.rotate(first_lsn)
-                except KVStoreError as e:
-                    with st.lock:
-                        st.table.thaw(frozen)
-                    raise self._state.fail(WriterFailedError(f"WAL rotation failed: {e}")) from e
-                with st.lock:
-                    st.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
-            wchar_before = tc.read_io_wchar()
-            try:
-                st.table.commit_frozen(frozen, segments, dropped, meta, retains)
-            except BaseException:
-                # LMDB keeps the previous checkpoint and the WAL still holds every
-                # change (old files are deleted only after a commit): put the
-                # overlay back so lookups, and the next checkpoint, still see it.
-                with st.lock:
-                    st.table.thaw(frozen)
-                    st.dropped_segments = dropped + st.dropped_segments
-                raise
-            st.checkpoint_lsn = first_lsn
-            for wal_first, path in list_wal_files(self.root):
-                if wal_first < first_lsn:
-                    try:
-                        path.unlink(missing_ok=True)
-                    except OSError:
-                        break  # the checkpoint is durable; the next one (or open) retries
-            self._last_checkpoint = time.monotonic()
-            wchar_after = tc.read_io_wchar()
-            with st.lock:
-                st.tv[tc.CHECKPOINTS] += 1
-                if wchar_before is not None and wchar_after is not None:
-                    st.tv[tc.INDEX] += wchar_after - wchar_before
-            self._recorder.persist()
+        self._checkpointer.run()
 
     def _telemetry_loop(self) -> None:
         """Sample throughput every second; persist the counters every
         ``telemetry_flush_interval_s`` (``Recorder.tick``)."""
         interval = self.config.telemetry_flush_interval_s
         while not self._stop.wait(min(1.0, interval)):
-            self._recorder.tick(interval, self._checkpoint_lock)
+            self._recorder.tick(interval, self._checkpointer.lock)
 
     def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
@@ -1088,13 +873,13 @@ class KVStore:
                 try:
                     if self._state.pending:  # a peek: a record appended just after waits one tick
                         self.flush()
-                    wal = self._wal
+                    wal = self._journal.wal
                     if wal is not None and (
                         wal.size_bytes >= self.config.checkpoint_wal_bytes
-                        or time.monotonic() - self._last_checkpoint
+                        or time.monotonic() - self._checkpointer.last_run
                         >= self.config.checkpoint_interval_s
                     ):
-                        self._checkpoint()
+                        self._checkpointer.run()
                 except (KVStoreError, OSError):
                     # A failed write is recorded in self._state.failed (callers see it on
                     # their next write); a failed checkpoint is retried next time.
@@ -1475,7 +1260,7 @@ class KVStore:
                     else:
                         st.retains.discard(raw)
                     return True
-            self._extend_lease()
+            self._journal.extend_lease()
 
     def is_retained(self, key: Key) -> bool:
         """Whether ``key`` is retained (``retain``), as of the latest change."""
@@ -1562,7 +1347,7 @@ class KVStore:
         wear = snapshot.wear_report()
         with st.lock:
             counters = self._recorder.session_counters(st.stale_reads)
-            wal_bytes = self._wal.size_bytes if self._wal is not None else 0
+            wal_bytes = self._journal.wal.size_bytes if self._journal.wal is not None else 0
             active = st.active.segment_id if st.active is not None else 0
             overlay = len(st.table.active) + len(st.table.frozen or {})
             live = sum(state.live_bytes for state in st.segment_states.values())
@@ -1682,6 +1467,7 @@ class KVStore:
             self._env,
             self._reader,
             self._collector.lock,
+            self._checkpointer.lock,
             readonly=self.readonly,
             view_moved=lambda: lifecycle.view_moved(self),
         )

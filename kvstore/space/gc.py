@@ -11,10 +11,9 @@ everywhere (docs/design.md, "Locks"). A writer that finds no room calls
 ``make_room`` from its own thread, holding no lock.
 
 What the collector needs from the rest of the store comes in at construction: the
-shared ``StoreState``, and from the journal and the writer ``commit_lock`` with
-``commit_locked`` (commit the pending records; needs the commit lock),
-``sync_segment``, ``reserve`` (a reservation in the active segment) and
-``wait_writable``, and ``claim_spare`` (the segment set's spare protocol).
+shared ``StoreState``, the ``Journal`` (a SEGMENT_FREE is committed before the file
+goes), and from the writer ``reserve`` (a reservation in the active segment) and
+``wait_writable``, and the ``SegmentSet`` (a freed file becomes the spare).
 """
 
 from __future__ import annotations
@@ -42,9 +41,11 @@ from kvstore.format.wal import MoveBody, PutBody, encode_delete, encode_move, en
 from kvstore.index.recovery import apply_delete, apply_move
 from kvstore.io.buffers import BufferPool
 from kvstore.io.engine import IOEngine, run_all
+from kvstore.log.journal import Journal, sync_segment
 from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import Segment, recycle_segment
 from kvstore.space.policies import SegmentView
+from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
 from kvstore.telemetry import counters as tc
@@ -63,12 +64,10 @@ class Collector:
         engine: IOEngine,
         buffers: BufferPool,
         reader: SegmentReader,
-        commit_lock: threading.Lock,
-        commit_locked: Callable[[], None],
-        sync_segment: Callable[[Segment], None],
+        journal: Journal,
         reserve: Callable[[int], tuple[Segment, int, int]],
         wait_writable: Callable[[], None],
-        claim_spare: Callable[[], tuple[int, int] | None],
+        segment_set: SegmentSet,
     ) -> None:
         self._state = state
         self._config = config
@@ -77,12 +76,10 @@ class Collector:
         self._engine = engine
         self._buffers = buffers
         self._reader = reader
-        self._commit_lock = commit_lock
-        self._commit_locked = commit_locked
-        self._sync_segment = sync_segment
+        self._journal = journal
         self._reserve = reserve
         self._wait_writable = wait_writable
-        self._claim_spare = claim_spare
+        self._segment_set = segment_set
         self.lock = threading.Lock()  # the GC lock: one pass at a time
         self.last_pass = time.monotonic()
 
@@ -93,8 +90,7 @@ class Collector:
         def closed(*_: object) -> Any:
             raise ClosedError("the store is closed")
 
-        self._commit_locked = self._sync_segment = self._reserve = closed
-        self._wait_writable = self._claim_spare = closed
+        self._reserve = self._wait_writable = closed
 
     def run_pass(self, tally: GCTally, *, full: bool = False) -> None:
         """One pass: (with ``full``, mark-and-sweep,) free empty segments, compact
@@ -154,7 +150,7 @@ class Collector:
         pending, and the commit that makes them durable must fdatasync the
         segment first (it is no longer in ``_segments`` once popped).
         """
-        with self._commit_lock:
+        with self._journal.commit_lock:
             segment = self._free_segment_locked(segment_id)
         if segment is None:
             return False
@@ -191,9 +187,9 @@ class Collector:
             )
         try:
             if segment.dirty:  # its records may be in this very commit
-                self._sync_segment(segment)
+                sync_segment(self._state, segment)
             # not flush(): close() may have begun, and the free must still land
-            self._commit_locked()  # durable before the file goes or is reused
+            self._journal.commit_locked()  # durable before the file goes or is reused
         except BaseException:
             segment.close()
             raise
@@ -202,7 +198,7 @@ class Collector:
     def _recycle(self, segment: Segment) -> bool:
         """Turn a freed segment's file into the spare (written extents are cheaper)."""
         with self._state.cond:
-            claimed = self._claim_spare()
+            claimed = self._segment_set.claim_spare_locked()
         if claimed is None:
             return False
         segment_id, generation = claimed

@@ -27,7 +27,15 @@ class StoreInternals:
     read under the store's lock (``KVStore.internals``). It grows as the private
     accesses it replaces go (tests/unit/test_layering.py counts those)."""
 
-    __slots__ = ("_env", "_gc_lock", "_reader", "_readonly", "_state", "_view_moved")
+    __slots__ = (
+        "_env",
+        "_gc_lock",
+        "_reader",
+        "_readonly",
+        "_state",
+        "_view_moved",
+        "checkpoint_lock",
+    )
 
     def __init__(
         self,
@@ -35,6 +43,7 @@ class StoreInternals:
         env: IndexEnv,
         reader: SegmentReader,
         gc_lock: threading.Lock,
+        checkpoint_lock: threading.Lock,
         *,
         readonly: bool,
         view_moved: Callable[[], bool],
@@ -43,6 +52,7 @@ class StoreInternals:
         self._env = env
         self._reader = reader
         self._gc_lock = gc_lock
+        self.checkpoint_lock = checkpoint_lock  # held by fsck's WAL check: no checkpoint meanwhile
         self._readonly = readonly
         self._view_moved = view_moved
 

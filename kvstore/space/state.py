@@ -19,27 +19,25 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvstore.errors import WriterFailedError
 from kvstore.format.entries import PageEntry
 from kvstore.index.table import PageTable, SegmentState
+from kvstore.log.journal import JournalState
 from kvstore.log.segments import Segment
 from kvstore.space.policies import EvictionPolicy
 
 __all__ = ["StoreState"]
 
 
-class StoreState:
-    """Everything below is guarded by ``lock`` (``cond`` waits on it), except where a
-    field says otherwise."""
+class StoreState(JournalState):
+    """Everything here is guarded by ``lock`` (``cond`` waits on it), except where a
+    field says otherwise. The journal's fields (the open segments, the pending WAL
+    records, the LSNs, the failure) come from ``log.journal.JournalState``."""
 
     __slots__ = (  # noqa: RUF023 (grouped by owner, not sorted)
-        "lock",
-        "cond",
         # the index
         "table",
         "checkpoint_lsn",
         # the segment set (VersionSet's role)
-        "segments",
         "segment_states",
         "active",
         "spare",
@@ -57,12 +55,6 @@ class StoreState:
         "pins",
         "segment_pins",
         "retains",
-        # the journal
-        "pending",
-        "next_lsn",
-        "lease_until",
-        "durable_lsn",
-        "failed",
         # the writer barrier
         "inflight",
         "freezing",
@@ -90,11 +82,9 @@ class StoreState:
         policy: EvictionPolicy,
         tv: list[int],
     ) -> None:
-        self.lock = lock
-        self.cond = threading.Condition(self.lock)
+        super().__init__(lock, lsn_lease)
         self.table = table
         self.checkpoint_lsn = checkpoint_lsn
-        self.segments: dict[int, Segment] = {}
         self.segment_states = segment_states
         self.active: Segment | None = None
         self.spare: Segment | None = None  # made ahead by the prepare thread
@@ -114,14 +104,6 @@ class StoreState:
         self.pins: dict[bytes, list[PageEntry]] = {}
         self.segment_pins: Counter[int] = Counter()
         self.retains = retains
-        # WAL records published but not yet committed. A group commit swaps the
-        # list for a new one: read it only under ``lock``.
-        self.pending: list[bytes] = []
-        # Never reissue an LSN that a crashed writer may have stamped on a record.
-        self.next_lsn = lsn_lease
-        self.lease_until = lsn_lease
-        self.durable_lsn = lsn_lease - 1
-        self.failed: WriterFailedError | None = None
         self.inflight = 0  # writes reserved and not yet finished
         self.freezing = 0  # writer barriers held (checkpoint, mark-and-sweep, fsck)
         self.policy = policy
@@ -131,12 +113,6 @@ class StoreState:
         self.stale_reads = 0
 
     # -- small steps every component takes under the lock ---------------------
-
-    def take_lsn_locked(self) -> int:
-        """The next LSN (or single-threaded during open)."""
-        lsn = self.next_lsn
-        self.next_lsn += 1
-        return lsn
 
     def spare_allowed_locked(self) -> bool:
         """A spare segment may exist (it counts against capacity)."""
@@ -172,13 +148,6 @@ class StoreState:
         """A read-only view read a record the live writer freed since the view. Takes the lock."""
         with self.lock:
             self.stale_reads += 1
-
-    def fail(self, error: WriterFailedError) -> WriterFailedError:
-        """Stop the writer for good with ``error`` (the first failure wins). Takes the lock."""
-        with self.lock:
-            if self.failed is None:
-                self.failed = error
-        return error
 
     @contextmanager
     def writers_frozen(self) -> Iterator[None]:

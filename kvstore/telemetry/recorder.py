@@ -134,6 +134,14 @@ class Recorder:
             "stale_reads": stale_reads,
         }
 
+    def count_commit_locked(self, elapsed_ns: int, wal_bytes: int) -> None:
+        """A group commit took ``elapsed_ns`` and appended ``wal_bytes``. Caller holds
+        the state lock."""
+        tv = self.values
+        tv[tc.COMMITS] += 1
+        tc.observe(tv, tc.OP_FLUSH, elapsed_ns)
+        tv[tc.WAL] += wal_bytes
+
     # -- the telemetry thread ------------------------------------------------
 
     def tick(self, interval_s: float, checkpoint_lock: threading.Lock) -> None:

@@ -20,9 +20,9 @@ from unittest import mock
 
 import pytest
 
+import kvstore.log.journal as journal_module
 import kvstore.log.segments as segments_module
 import kvstore.log.wal as wal_module
-import kvstore.store as store_module
 from kvstore.testing.faults import POLICIES
 from kvstore.testing.powerloss import (
     Trace,
@@ -100,7 +100,7 @@ def test_dirs_policy_catches_a_missing_directory_fsync(tmp_path: Path) -> None:
 
 
 class _NoSegmentSync:
-    """``os`` as kvstore/store.py sees it, minus the segment fdatasync before the WAL."""
+    """``os`` as kvstore/log/journal.py sees it, minus the segment fdatasync before the WAL."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -110,7 +110,7 @@ class _NoSegmentSync:
 
 
 def test_prefix_policy_catches_wal_durable_before_its_data(tmp_path: Path) -> None:
-    with mock.patch.object(store_module, "os", _NoSegmentSync()):
+    with mock.patch.object(journal_module, "os", _NoSegmentSync()):
         broken = record_trace(tmp_path / "store", seed=5, steps=100)
     assert _violating_cases(broken, "prefix", tmp_path) > 0
 

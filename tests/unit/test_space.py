@@ -475,7 +475,7 @@ def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
         store.put(key(index), value(index))
     # The real prepare thread must not finish a spare under the test (a race on a
     # loaded machine): make no more, wait out one in progress, set aside one made.
-    store._claim_spare = lambda: None  # type: ignore[method-assign]
+    store._segment_set.claim_spare_locked = lambda: None  # type: ignore[method-assign]
     deadline = time.monotonic() + 10
     while store._state.preparing and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -544,14 +544,14 @@ def test_freeing_a_segment_syncs_its_data_before_the_wal_names_it(
         events.append("sync-old" if fd == segment.fd else "sync")
         real_fdatasync(fd)
 
-    real_append = store._wal.append  # type: ignore[union-attr]
+    real_append = store._journal.wal.append  # type: ignore[union-attr]
 
     def spy_append(data: bytes) -> None:
         events.append("wal")
         real_append(data)
 
     monkeypatch.setattr(os, "fdatasync", spy_fdatasync)
-    monkeypatch.setattr(store._wal, "append", spy_append)
+    monkeypatch.setattr(store._journal.wal, "append", spy_append)
     report = store.gc()
     assert report.segments_freed == 1
     assert "sync-old" in events and "wal" in events

@@ -223,7 +223,7 @@ def test_a_commit_interrupted_in_the_wal_append_stops_the_writer(
 ) -> None:
     store = open_store(flush_interval_ms=10_000)
     store.put("a", page("a"))
-    wal = store._wal
+    wal = store._journal.wal
     assert wal is not None
 
     def interrupted(data: bytes) -> None:
