@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -25,6 +26,7 @@ from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
 from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
 from kvstore.format.records import Superblock, encode_superblock
+from kvstore.format.wal import WAL_FILE_HEADER_BYTES
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
     Recovered,
@@ -41,9 +43,11 @@ from kvstore.index.table import (
     META_PAGE_COUNT,
     SegmentState,
 )
-from kvstore.io.engine import resolve_choice
-from kvstore.io.files import fsync_dir, write_file_durably
-from kvstore.log.segment_reader import verify_record
+from kvstore.io.buffers import BufferPool
+from kvstore.io.engine import make_engine, resolve_choice
+from kvstore.io.files import fsync_dir, probe_direct_io, probe_direct_read, write_file_durably
+from kvstore.log.journal import Journal
+from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import (
     Segment,
     list_segment_files,
@@ -51,7 +55,13 @@ from kvstore.log.segments import (
     open_untrusted_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.policies import POLICIES
+from kvstore.space.checkpoint import Checkpointer
+from kvstore.space.gc import Collector
+from kvstore.space.policies import POLICIES, make_policy
+from kvstore.space.segments import SegmentSet
+from kvstore.space.state import StoreState
+from kvstore.telemetry import counters as tc
+from kvstore.telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore
@@ -62,10 +72,12 @@ __all__ = [
     "choose_active_segment",
     "create_store",
     "finish_index_swap",
+    "open_components",
     "open_view_segment",
     "quarantine_segments",
     "recover",
     "salvage_damaged_index",
+    "start_writing",
     "view_moved",
 ]
 
@@ -448,3 +460,137 @@ def create_store(root: Path, config: StoreConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(root.parent)
+
+
+def open_components(store: KVStore) -> Recovered:
+    """Open everything of ``store`` but its threads: the I/O engine, the index (salvaged
+    if damaged), recovery, the telemetry recorder, the shared state, the segments
+    (quarantined where damaged) and the components. Returns what recovery found."""
+    root, config = store.root, store.config
+    if config.direct_io is not None:
+        store.direct_io = config.direct_io
+    elif store.readonly:  # a reader must not create files; probe by reading
+        store.direct_io = probe_direct_read(root / SUPERBLOCK_NAME)
+    else:
+        store.direct_io = probe_direct_io(root / SEGMENTS_DIR)
+    store._engine = make_engine(config.io_engine, config.io_depth, config.uring_binding)
+    store._buffers = BufferPool()
+    store._index_salvage = None
+    store._salvage_dir = None  # read-only: a private rebuilt index
+    try:
+        if not store.readonly:
+            finish_index_swap(root)
+        store._env = IndexEnv(root / INDEX_DIR, readonly=store.readonly)
+    except IndexDamagedError as e:
+        store._env = salvage_damaged_index(store, e)
+    store._live_now = None
+    try:
+        recovered = recover(store)
+    except IndexDamagedError as e:  # a damaged value: checksum or plausibility
+        if store._index_salvage is not None:
+            raise
+        store._env.close()
+        store._env = salvage_damaged_index(store, e)
+        recovered = recover(store)
+    store.recovery_notes = list(recovered.notes)
+    store.replayed_records = recovered.replayed_records
+    lock = threading.Lock()
+    store._recorder = Recorder(root, config, store._env, lock, readonly=store.readonly)
+    store.recovery_notes.extend(store._recorder.notes)
+    capacity = config.capacity_bytes or store.superblock.capacity_bytes or None
+    store._state = StoreState(
+        lock=lock,
+        table=recovered.table,
+        segment_states=recovered.segments,
+        next_segment_id=recovered.next_segment_id,
+        checkpoint_lsn=recovered.checkpoint_lsn,
+        lsn_lease=recovered.lsn_lease,
+        retains=recovered.retains,
+        dropped_segments=list(recovered.dropped_segments),
+        capacity_bytes=capacity,
+        segment_bytes=config.segment_bytes,
+        gc_reserve_segments=config.gc_reserve_segments,
+        policy=make_policy(config.eviction_policy),
+        tv=store._recorder.values,
+    )
+    store._reader = SegmentReader(
+        store._state.segments,
+        store._engine,
+        store._buffers,
+        max_page_bytes=config.max_page_bytes,
+        # Single-page reads poll their completion on io_uring (StoreConfig.read_poll_us).
+        poll_ns=config.read_poll_us * 1000 if store._engine.name == "io_uring" else 0,
+        readonly=store.readonly,
+        on_stale=store._state.count_stale_read,  # no reference back to the store
+    )
+    damaged: dict[int, str] = {}
+    for segment_id, state in sorted(store._state.segment_states.items()):
+        try:
+            segment = open_view_segment(store, segment_id, state)
+        except CorruptionError as e:  # damaged header, another identity, missing, short
+            damaged[segment_id] = e.args[0] if e.args else type(e).__name__
+            continue
+        if segment is None:
+            del store._state.segment_states[segment_id]
+            store._state.gone_segments.add(segment_id)
+        else:
+            store._state.segments[segment_id] = segment
+    store._degraded = Degraded(
+        reasons=list(recovered.degraded),
+        damaged_wal_headers=recovered.damaged_wal_headers,
+        salvaged_wal_records=recovered.salvaged_wal_records,
+    )
+    if store._index_salvage is not None:
+        salvage = store._index_salvage
+        store._degraded.index_salvaged = True
+        store._degraded.pages += salvage.pages_lost
+        reason = (
+            f"LMDB index damaged ({salvage.problems[0]}); rebuilt from what verifies: "
+            f"{salvage.summary()}"
+        )
+        store._degraded.reasons.append(reason)
+        store.recovery_notes.append(reason)
+        store.recovery_notes.extend(salvage.notes)
+    if damaged:
+        quarantine_segments(store, damaged)
+    store._journal = Journal(
+        store._state,
+        lease_step=config.lsn_lease_step,
+        check_writable=store._check_writable,
+        on_commit=store._recorder.count_commit_locked,
+    )
+    store._segment_set = SegmentSet(
+        store._state,
+        root,
+        store_uuid=store.superblock.store_uuid,
+        segment_bytes=config.segment_bytes,
+        direct=store.direct_io,
+    )
+    store._collector = Collector(
+        store._state,
+        config,
+        root=root,
+        store_uuid=store.superblock.store_uuid,
+        engine=store._engine,
+        buffers=store._buffers,
+        reader=store._reader,
+        journal=store._journal,
+        reserve=lambda span: store._reserve(span, for_gc=True),
+        wait_writable=store._wait_writable,
+        segment_set=store._segment_set,
+    )
+    store._checkpointer = Checkpointer(store._state, store._journal, store._recorder, root)
+    store._stop = threading.Event()
+    store._flusher = store._gc_thread = store._prepare_thread = store._telemetry_thread = None
+    return recovered
+
+
+def start_writing(store: KVStore, recovered: Recovered) -> None:
+    """A writer's open: the active segment, and a new WAL file after the recovered ones."""
+    choose_active_segment(store)
+    chain = recovered.wal_files
+    prev = chain[-1].first_lsn if chain else 0
+    first_lsn = store._state.take_lsn_locked()
+    store._journal.wal = WalWriter(store.root, store.superblock.store_uuid, first_lsn, prev)
+    store._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
+    store._recorder.start_session()  # counting for stats() starts once open

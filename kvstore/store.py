@@ -60,9 +60,7 @@ from kvstore.format.constants import (
 )
 from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
 from kvstore.format.names import (
-    INDEX_DIR,
     LOCK_NAME,
-    SEGMENTS_DIR,
     SUPERBLOCK_NAME,
 )
 from kvstore.format.records import (
@@ -70,12 +68,11 @@ from kvstore.format.records import (
     encode_record_fields_into,
 )
 from kvstore.format.wal import (
-    WAL_FILE_HEADER_BYTES,
     encode_delete,
     encode_put_fields,
     encode_retain,
 )
-from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
+from kvstore.index.lmdb_env import IndexEnv
 from kvstore.index.recovery import (
     apply_delete,
     apply_put,
@@ -93,11 +90,9 @@ from kvstore.inputs import (
     writable_view,
 )
 from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue, make_engine
+from kvstore.io.engine import IOEngine, IOQueue
 from kvstore.io.files import (
     acquire_writer_lock,
-    probe_direct_io,
-    probe_direct_read,
 )
 from kvstore.log.journal import Journal
 from kvstore.log.regular import read_regular, require_regular
@@ -105,11 +100,10 @@ from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.segments import (
     Segment,
 )
-from kvstore.log.wal import WalWriter, list_wal_files
+from kvstore.log.wal import list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.internals import StoreInternals
-from kvstore.space.policies import make_policy
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
@@ -185,6 +179,32 @@ class KVStore:
     max_key_bytes = MAX_INDEX_KEY_BYTES
     """The longest key accepted (bytes, or str as UTF-8): what the LMDB index holds."""
 
+    # Set by the open (lifecycle.open_components), constant after it.
+    direct_io: bool
+    recovery_notes: list[str]
+    replayed_records: int
+    _engine: IOEngine
+    _buffers: BufferPool
+    _env: IndexEnv
+    _index_salvage: IndexSalvage | None
+    _salvage_dir: Path | None  # read-only: a private rebuilt index
+    _live_now: dict[int, int] | None  # read-only: segments live now, when asked
+    _degraded: lifecycle.Degraded
+    # The components (docs/design.md, "Layers"), each documenting its locks.
+    _recorder: Recorder
+    _state: StoreState  # everything guarded by the state lock
+    _reader: SegmentReader
+    _journal: Journal
+    _segment_set: SegmentSet
+    _collector: Collector
+    _checkpointer: Checkpointer
+    # A writer's threads: started last by the open, joined by close.
+    _stop: threading.Event
+    _flusher: threading.Thread | None
+    _gc_thread: threading.Thread | None
+    _prepare_thread: threading.Thread | None
+    _telemetry_thread: threading.Thread | None
+
     # -- opening -----------------------------------------------------------
 
     @classmethod
@@ -256,142 +276,17 @@ class KVStore:
             require_regular(root / LOCK_NAME)
             self._lock_fd = acquire_writer_lock(root)
         try:
-            self._open_state()
+            recovered = lifecycle.open_components(self)
+            if not readonly:
+                lifecycle.start_writing(self, recovered)
+                self._start_threads()
         except BaseException:
             self._release_resources()
             raise
 
-    def _open_state(self) -> None:
-        root, config = self.root, self.config
-        if config.direct_io is not None:
-            self.direct_io = config.direct_io
-        elif self.readonly:  # a reader must not create files; probe by reading
-            self.direct_io = probe_direct_read(root / SUPERBLOCK_NAME)
-        else:
-            self.direct_io = probe_direct_io(root / SEGMENTS_DIR)
-        self._engine: IOEngine = make_engine(
-            config.io_engine, config.io_depth, config.uring_binding
-        )
-        self._buffers = BufferPool()
-        self._index_salvage: IndexSalvage | None = None
-        self._salvage_dir: Path | None = None  # read-only: a private rebuilt index
-        try:
-            if not self.readonly:
-                lifecycle.finish_index_swap(root)
-            self._env = IndexEnv(root / INDEX_DIR, readonly=self.readonly)
-        except IndexDamagedError as e:
-            self._env = lifecycle.salvage_damaged_index(self, e)
-        self._live_now: dict[int, int] | None = None
-        try:
-            recovered = lifecycle.recover(self)
-        except IndexDamagedError as e:  # a damaged value: checksum or plausibility
-            if self._index_salvage is not None:
-                raise
-            self._env.close()
-            self._env = lifecycle.salvage_damaged_index(self, e)
-            recovered = lifecycle.recover(self)
-        self.recovery_notes = list(recovered.notes)
-        self.replayed_records = recovered.replayed_records
-        lock = threading.Lock()
-        self._recorder = Recorder(root, config, self._env, lock, readonly=self.readonly)
-        self.recovery_notes.extend(self._recorder.notes)
-        capacity = config.capacity_bytes or self.superblock.capacity_bytes or None
-        self._state = StoreState(
-            lock=lock,
-            table=recovered.table,
-            segment_states=recovered.segments,
-            next_segment_id=recovered.next_segment_id,
-            checkpoint_lsn=recovered.checkpoint_lsn,
-            lsn_lease=recovered.lsn_lease,
-            retains=recovered.retains,
-            dropped_segments=list(recovered.dropped_segments),
-            capacity_bytes=capacity,
-            segment_bytes=config.segment_bytes,
-            gc_reserve_segments=config.gc_reserve_segments,
-            policy=make_policy(config.eviction_policy),
-            tv=self._recorder.values,
-        )
-        self._reader = SegmentReader(
-            self._state.segments,
-            self._engine,
-            self._buffers,
-            max_page_bytes=config.max_page_bytes,
-            # Single-page reads poll their completion on io_uring (StoreConfig.read_poll_us).
-            poll_ns=config.read_poll_us * 1000 if self._engine.name == "io_uring" else 0,
-            readonly=self.readonly,
-            on_stale=self._state.count_stale_read,  # no reference back to the store
-        )
-        damaged: dict[int, str] = {}
-        for segment_id, state in sorted(self._state.segment_states.items()):
-            try:
-                segment = lifecycle.open_view_segment(self, segment_id, state)
-            except CorruptionError as e:  # damaged header, another identity, missing, short
-                damaged[segment_id] = e.args[0] if e.args else type(e).__name__
-                continue
-            if segment is None:
-                del self._state.segment_states[segment_id]
-                self._state.gone_segments.add(segment_id)
-            else:
-                self._state.segments[segment_id] = segment
-        self._degraded = lifecycle.Degraded(
-            reasons=list(recovered.degraded),
-            damaged_wal_headers=recovered.damaged_wal_headers,
-            salvaged_wal_records=recovered.salvaged_wal_records,
-        )
-        if self._index_salvage is not None:
-            salvage = self._index_salvage
-            self._degraded.index_salvaged = True
-            self._degraded.pages += salvage.pages_lost
-            reason = (
-                f"LMDB index damaged ({salvage.problems[0]}); rebuilt from what verifies: "
-                f"{salvage.summary()}"
-            )
-            self._degraded.reasons.append(reason)
-            self.recovery_notes.append(reason)
-            self.recovery_notes.extend(salvage.notes)
-        if damaged:
-            lifecycle.quarantine_segments(self, damaged)
-        self._journal = Journal(
-            self._state,
-            lease_step=config.lsn_lease_step,
-            check_writable=self._check_writable,
-            on_commit=self._recorder.count_commit_locked,
-        )
-        self._segment_set = SegmentSet(
-            self._state,
-            root,
-            store_uuid=self.superblock.store_uuid,
-            segment_bytes=config.segment_bytes,
-            direct=self.direct_io,
-        )
-        self._collector = Collector(
-            self._state,
-            config,
-            root=root,
-            store_uuid=self.superblock.store_uuid,
-            engine=self._engine,
-            buffers=self._buffers,
-            reader=self._reader,
-            journal=self._journal,
-            reserve=lambda span: self._reserve(span, for_gc=True),
-            wait_writable=self._wait_writable,
-            segment_set=self._segment_set,
-        )
-        self._checkpointer = Checkpointer(self._state, self._journal, self._recorder, root)
-        self._stop = threading.Event()
-        self._flusher: threading.Thread | None = None
-        self._gc_thread: threading.Thread | None = None
-        self._prepare_thread: threading.Thread | None = None
-        self._telemetry_thread: threading.Thread | None = None
-        if self.readonly:
-            return
-        lifecycle.choose_active_segment(self)
-        chain = recovered.wal_files
-        prev = chain[-1].first_lsn if chain else 0
-        first_lsn = self._state.take_lsn_locked()
-        self._journal.wal = WalWriter(root, self.superblock.store_uuid, first_lsn, prev)
-        self._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
-        self._recorder.start_session()  # counting for stats() starts once open
+    def _start_threads(self) -> None:
+        """A writer's background threads: group commit and checkpoints, telemetry, the
+        spare segment, GC. They start last, once everything they touch is open."""
         self._flusher = threading.Thread(target=self._flush_loop, name="kvstore-flush", daemon=True)
         self._flusher.start()
         self._telemetry_thread = threading.Thread(
