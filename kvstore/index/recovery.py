@@ -146,8 +146,11 @@ def apply_move(
 def _unaccount(segments: dict[int, SegmentState], old: PageEntry) -> None:
     previous = segments.get(old.segment_id)
     if previous is not None:
-        previous.live_bytes -= old.span_bytes
-        previous.live_pages -= 1
+        # Never below zero: only a damaged segment entry (one that undercounts the
+        # pages in it) gets there, and a negative count could not be checkpointed
+        # (the format's fields are unsigned). ``gc(full=True)`` recounts.
+        previous.live_bytes = max(0, previous.live_bytes - old.span_bytes)
+        previous.live_pages = max(0, previous.live_pages - 1)
 
 
 def read_limits(root: Path) -> EntryLimits:
