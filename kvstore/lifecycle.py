@@ -60,6 +60,7 @@ from kvstore.space.gc import Collector
 from kvstore.space.policies import POLICIES, make_policy
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
+from kvstore.space.writer import SegmentWriter
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
 
@@ -578,6 +579,13 @@ def open_components(store: KVStore) -> Recovered:
         reserve=lambda span: store._reserve(span, for_gc=True),
         wait_writable=store._wait_writable,
         segment_set=store._segment_set,
+    )
+    store._writer = SegmentWriter(
+        store._state,
+        store._engine,
+        store._buffers,
+        io_depth=config.io_depth,
+        reserve=store._reserve,
     )
     store._checkpointer = Checkpointer(store._state, store._journal, store._recorder, root)
     store._stop = threading.Event()

@@ -24,7 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import shutil
 import threading
@@ -50,12 +49,10 @@ from kvstore.errors import (
     StoreNotFoundError,
     WriterFailedError,
 )
-from kvstore.format.checksum import checksum
 from kvstore.format.constants import (
     BLOCK_BYTES,
     FORMAT_VERSION,
     MAX_INDEX_KEY_BYTES,
-    RECORD_PAGE,
     record_span,
 )
 from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
@@ -65,17 +62,14 @@ from kvstore.format.names import (
 )
 from kvstore.format.records import (
     decode_superblock,
-    encode_record_fields_into,
 )
 from kvstore.format.wal import (
     encode_delete,
-    encode_put_fields,
     encode_retain,
 )
 from kvstore.index.lmdb_env import IndexEnv
 from kvstore.index.recovery import (
     apply_delete,
-    apply_put,
 )
 from kvstore.index.salvage import IndexSalvage
 from kvstore.index.table import (
@@ -89,8 +83,8 @@ from kvstore.inputs import (
     value_view,
     writable_view,
 )
-from kvstore.io.buffers import AlignedBuffer, BufferPool
-from kvstore.io.engine import IOEngine, IOQueue
+from kvstore.io.buffers import BufferPool
+from kvstore.io.engine import IOEngine
 from kvstore.io.files import (
     acquire_writer_lock,
 )
@@ -107,6 +101,7 @@ from kvstore.space.internals import StoreInternals
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
+from kvstore.space.writer import SegmentWriter
 from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
@@ -122,8 +117,6 @@ _T = TypeVar("_T")
 
 __all__ = ["KVStore", "StoreInternals"]
 
-_ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
-
 
 def _quietly(release: Callable[[], object]) -> None:
     """Run one release step of ``close``; an OSError must not skip the others."""
@@ -135,37 +128,6 @@ def _quietly(release: Callable[[], object]) -> None:
 
 def _payload_bytes(payload: memoryview, _in_place: bool) -> bytes:
     return bytes(payload)
-
-
-@dataclasses.dataclass(slots=True)
-class _PendingPut:
-    key: bytes
-    entry: PageEntry
-    segment: Segment
-    span: int
-
-
-@dataclasses.dataclass(slots=True)
-class _PendingWrite:
-    """One write of consecutive records of one ``put_many`` call: one buffer, one I/O."""
-
-    segment: Segment
-    offset: int  # of the first record
-    buffer: AlignedBuffer
-    started_ns: int  # when put_many began: put latency is until the page is published
-    length: int = 0
-    pages: list[_PendingPut] = dataclasses.field(default_factory=list)
-
-
-# put_many submits queued writes once this many bytes are waiting: a 1 MiB page
-# goes at once, 16 KiB pages go sixteen to a syscall.
-_SUBMIT_BYTES = 256 << 10
-# Records reserved back to back in one segment share a write of up to this many
-# bytes: small pages cost one I/O per 256 KiB instead of one each.
-_COALESCE_BYTES = 256 << 10
-
-# Throughput windows reported by stats() and the exporter (seconds).
-_THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
 
 
 class KVStore:
@@ -197,6 +159,7 @@ class KVStore:
     _journal: Journal
     _segment_set: SegmentSet
     _collector: Collector
+    _writer: SegmentWriter
     _checkpointer: Checkpointer
     # A writer's threads: started last by the open, joined by close.
     _stop: threading.Event
@@ -358,6 +321,9 @@ class KVStore:
         collector: Collector | None = getattr(self, "_collector", None)
         if collector is not None:
             collector.close()
+        writer: SegmentWriter | None = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.close()
         journal: Journal | None = getattr(self, "_journal", None)
         if journal is not None:
             _quietly(journal.close)  # the WAL file too
@@ -521,199 +487,10 @@ class KVStore:
                         st.tv[tc.DECLINED_PUTS] += 1
                         st.tv[tc.DECLINED_BYTES] += view.nbytes
             prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
-        queue = self._engine.queue()
-        in_flight: dict[int, _PendingWrite] = {}
-        error: KVStoreError | None = None
-        run: _PendingWrite | None = None  # the write being filled, not yet queued
-        tokens = itertools.count()
-        unsubmitted = 0
-
-        def queue_run() -> None:
-            """Queue the open write; reap completions to keep io_depth in flight."""
-            nonlocal run, unsubmitted, error
-            if run is None:
-                return
-            write, run = run, None
-            token = next(tokens)
-            in_flight[token] = write
-            queue.write(write.segment.fd, write.offset, write.buffer.view[: write.length], token)
-            unsubmitted += write.length
-            if unsubmitted >= _SUBMIT_BYTES:
-                # Start these writes while the next pages are prepared; small
-                # pages share one io_uring_submit (waiting submits the rest).
-                queue.submit()
-                unsubmitted = 0
-            if queue.in_flight >= self.config.io_depth:
-                error = self._complete_puts(queue, in_flight, 1) or error  # submits
-                unsubmitted = 0
-
-        def drain() -> None:
-            nonlocal error
-            queue_run()
-            while queue.in_flight:
-                error = self._complete_puts(queue, in_flight, queue.in_flight) or error
-
-        try:
-            for key, view, meta in prepared:
-                size = view.nbytes
-                span = record_span(size)
-                payload_checksum = checksum(view)
-                segment, offset, lsn = self._reserve(
-                    span, drain=drain if in_flight or run is not None else None
-                )
-                page = _PendingPut(
-                    key,
-                    PageEntry(
-                        segment.segment_id,
-                        segment.generation,
-                        offset,
-                        size,
-                        payload_checksum,
-                        lsn,
-                        meta,
-                    ),
-                    segment,
-                    span,
-                )
-                if run is not None and (
-                    run.segment is not segment
-                    or run.offset + run.length != offset
-                    or run.length + span > run.buffer.capacity
-                ):
-                    try:
-                        queue_run()
-                    except BaseException:
-                        self._abandon_reserved([page])
-                        raise
-                if run is None:
-                    try:
-                        buffer = self._buffers.acquire(max(span, _COALESCE_BYTES))
-                    except BaseException:
-                        self._abandon_reserved([page])
-                        raise
-                    run = _PendingWrite(segment, offset, buffer, started_ns)
-                # Registered before anything else can raise: the cleanup below
-                # releases the reservation of a page that was never submitted.
-                run.pages.append(page)
-                block = run.buffer.view[run.length :]
-                encode_record_fields_into(
-                    block,
-                    RECORD_PAGE,
-                    key,
-                    meta,
-                    size,
-                    lsn,
-                    segment.segment_id,
-                    offset,
-                    segment.generation,
-                    payload_checksum,
-                )
-                block[BLOCK_BYTES : BLOCK_BYTES + size] = view
-                block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
-                run.length += span
-                if run.length >= _COALESCE_BYTES:
-                    queue_run()
-                if error is not None:
-                    break
-            if error is None:
-                queue_run()
-        finally:
-            while queue.in_flight:
-                error = self._complete_puts(queue, in_flight, queue.in_flight) or error
-            # Reserved but never submitted (an exception above): the open write,
-            # and any write the queue refused.
-            unsent = list(in_flight.values()) + ([run] if run is not None else [])
-            for write in unsent:
-                self._abandon_reserved(write.pages)
-                self._buffers.release(write.buffer)
-        if error is not None:
-            raise error
+        self._writer.write(prepared, started_ns)
         if sync and prepared:
             self.flush()
         return [True] * len(prepared) if admitted is None else admitted
-
-    def _abandon_reserved(self, pages: list[_PendingPut]) -> None:
-        """Release the reservations of pages that were never written."""
-        with self._state.lock:
-            for page in pages:
-                self._state.finish_inflight_locked(page.segment.segment_id)
-
-    def _complete_puts(
-        self, queue: IOQueue, in_flight: dict[int, _PendingWrite], wanted: int
-    ) -> KVStoreError | None:
-        """Reap write completions and publish the pages of writes that completed whole."""
-        st = self._state
-        completions = queue.wait(wanted)
-        error: KVStoreError | None = None
-        records: list[bytes | None] = []
-        published: list[_PendingPut] = []
-        writes: list[_PendingWrite] = []
-        for token, result in completions:
-            write = in_flight.pop(token)
-            writes.append(write)
-            if result != write.length:
-                errno = -result if result < 0 else None
-                error = self._state.fail(
-                    WriterFailedError(
-                        f"write of {write.length} bytes to segment {write.segment.segment_id} "
-                        f"at offset {write.offset} returned {result}",
-                        errno,
-                    )
-                )
-                records.extend([None] * len(write.pages))
-            else:
-                for pending in write.pages:
-                    entry = pending.entry
-                    records.append(
-                        encode_put_fields(
-                            entry.lsn,
-                            pending.key,
-                            entry.segment_id,
-                            entry.generation,
-                            entry.offset,
-                            entry.payload_bytes,
-                            entry.payload_checksum,
-                            entry.meta,
-                        )
-                    )
-            published.extend(write.pages)
-        done_ns = time.perf_counter_ns()
-        tv = st.tv
-        table, states, on_put = (
-            st.table,
-            st.segment_states,
-            st.policy.on_put,
-        )
-        with st.lock:
-            # Read under the same lock as the publish: a group commit swaps the
-            # list out under this lock, and a record appended to a list taken
-            # before it would be written by nobody while its page is readable
-            # and the next flush() returns (issue 13).
-            pending_records = st.pending
-            for pending in published:
-                self._state.finish_inflight_locked(pending.segment.segment_id)
-            puts = host = spans = 0
-            for pending, record in zip(published, records, strict=True):
-                if record is None:
-                    continue
-                entry = pending.entry
-                apply_put(table, states, pending.key, entry)
-                on_put(pending.key, entry.payload_bytes, decode_meta(entry.meta))
-                pending_records.append(record)
-                pending.segment.dirty = True
-                puts += 1
-                host += entry.payload_bytes
-                spans += pending.span
-            if puts:
-                # Every page of one put_many call started together: one latency each.
-                started_ns = writes[0].started_ns
-                tv[tc.PUTS] += puts
-                tv[tc.HOST] += host
-                tv[tc.RECORD_OVERHEAD] += spans - host
-                tc.observe_many(tv, tc.OP_PUT, done_ns - started_ns, puts)
-        for write in writes:
-            self._buffers.release(write.buffer)
-        return error
 
     def delete(self, key: Key) -> bool:
         """Delete ``key``; True if it was present. Durable like a plain put."""

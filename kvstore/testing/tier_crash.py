@@ -25,7 +25,7 @@ Workloads (``run_workload``):
     began after its put returned has returned). So a page counts as acknowledged
     here once ``tm.store.info(key)`` showed it and then a ``tm.store.flush()``,
     begun after that, returned. That is sound: the store publishes a page to its
-    index under the same lock that queues the page's WAL record (``_complete_puts``),
+    index under the same lock that queues the page's WAL record (``SegmentWriter._complete``),
     so a flush that begins after ``info`` sees the page commits its record.
 ``stats``
     Saves the manager's statistics (``tiering-stats.json``: temporary file, fsync,

@@ -195,6 +195,8 @@ def _private_store_names() -> set[str]:
             for inner in ast.walk(node):
                 if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
                     name = inner.name
+                elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                    name = inner.target.id  # a field declared in the class body
                 elif (
                     isinstance(inner, ast.Attribute)
                     and isinstance(inner.value, ast.Name)
@@ -210,7 +212,7 @@ def _private_store_names() -> set[str]:
 
 def _private_uses() -> Counter[str]:
     names = _private_store_names()
-    assert {"_state", "_env", "_hold"} <= names  # the scan found the class
+    assert {"_state", "_env", "_hold", "_buffers"} <= names  # the scan found the class
     alternatives = "|".join(sorted(names, key=len, reverse=True))
     pattern = re.compile(rf"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.({alternatives})\b")
     uses: Counter[str] = Counter()

@@ -449,16 +449,16 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
     store.put(key(0), value(0))
     old = store._state.table.get(key(0))
     assert old is not None
-    original = store._complete_puts
+    original = store._writer._complete
 
     def evict_old_version_first(*args, **kwargs):  # type: ignore[no-untyped-def]
         assert store._collector._evict_entry(key(0), old, GCTally())
         return original(*args, **kwargs)
 
-    store._complete_puts = evict_old_version_first  # type: ignore[method-assign]
+    store._writer._complete = evict_old_version_first  # type: ignore[method-assign]
     assert store.put(key(0), value(0, version=1), sync=True)
     assert store.get(key(0)) == value(0, version=1)
-    store._complete_puts = original  # type: ignore[method-assign]
+    store._writer._complete = original  # type: ignore[method-assign]
     store.close()
     reopened = open_store(gc_interval_s=0)
     assert reopened.get(key(0)) == value(0, version=1)

@@ -1,14 +1,14 @@
 """The write path under concurrent writers: no acknowledged put lost to a group commit.
 
-Issue 13: ``_complete_puts`` took the pending-record list before it took the
-store lock; a group commit on another thread in between swapped the list out
-and wrote it, so the PUT record went into a list nobody wrote while the page was
-published and the next ``flush()`` returned. After a kill -9 the page was gone,
-or read back as an older version of its key. These tests force that interleaving
-deterministically (a stand-in for the store lock runs a group commit on another
-thread just before the publish takes the lock), then stress it with real
-threads. A crash is simulated by copying the store after ``flush()``: the copy is
-what a SIGKILL at that moment leaves behind.
+Issue 13: the publish step (``SegmentWriter._complete``, then
+``KVStore._complete_puts``) took the pending-record list before it took the store lock;
+a group commit on another thread in between swapped the list out and wrote it, so the
+PUT record went into a list nobody wrote while the page was published and the next
+``flush()`` returned. After a kill -9 the page was gone, or read back as an older
+version of its key. These tests force that interleaving deterministically (a stand-in
+for the store lock runs a group commit on another thread just before the publish takes
+the lock), then stress it with real threads. A crash is simulated by copying the store
+after ``flush()``: the copy is what a SIGKILL at that moment leaves behind.
 
 Also here: the background threads never die silently, a group commit never
 drops the records it swapped out, and the LRU policy's ranking survives
@@ -50,7 +50,7 @@ def reopen(path: Path) -> KVStore:
 
 
 class CommitBeforePublish:
-    """Stands in for ``store._state.lock``. The first time ``_complete_puts`` takes it on
+    """Stands in for ``store._state.lock``. The first time ``SegmentWriter._complete`` takes it on
     the writer thread, a group commit runs to completion on another thread first:
     the moment between reaping a write's completion and publishing its page."""
 
@@ -65,7 +65,7 @@ class CommitBeforePublish:
         if (
             self.armed
             and threading.get_ident() == self.writer
-            and sys._getframe(1).f_code.co_name == "_complete_puts"
+            and sys._getframe(1).f_code.co_name == "_complete"
         ):
             self.armed = False
             committer = threading.Thread(target=self.store.flush, name="test-group-commit")
@@ -94,7 +94,7 @@ def put_with_a_commit_before_publish(store: KVStore, key: str, value: bytes) -> 
         store.put(key, value)
     finally:
         store._state.lock = hook.real
-    assert hook.commits == 1, "the hook never ran: _complete_puts changed?"
+    assert hook.commits == 1, "the hook never ran: SegmentWriter._complete changed?"
 
 
 def test_a_group_commit_before_the_publish_does_not_lose_the_put(

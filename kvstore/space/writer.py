@@ -1,0 +1,295 @@
+"""The segment writer: ``put_many``'s batching, coalescing and publish (docs/design.md,
+"Write path").
+
+Each page gets a reservation at the active segment's head (the store's reserve step:
+segment, offset and LSN under the state lock, counted in flight), its record is
+encoded into a write buffer, and records reserved back to back in one segment share
+one write of up to ``COALESCE_BYTES``. Writes go to the I/O engine with up to
+``io_depth`` in flight; a page is published (page table, policy, pending WAL PUT
+record, counters, one state-lock round per completion batch) only after its write
+completed whole. A short or failed write stops the writer for good. Reservations of
+pages that were never written are given back.
+
+It lives in space/ with the shared state it publishes into (../shared/REDESIGN.md
+sketched log/segment_writer.py; the publish needs the page table and the policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+
+from kvstore.errors import KVStoreError, WriterFailedError
+from kvstore.format.checksum import checksum
+from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, record_span
+from kvstore.format.entries import PageEntry
+from kvstore.format.records import encode_record_fields_into
+from kvstore.format.wal import encode_put_fields
+from kvstore.index.recovery import apply_put
+from kvstore.inputs import decode_meta
+from kvstore.io.buffers import AlignedBuffer, BufferPool
+from kvstore.io.engine import IOEngine, IOQueue
+from kvstore.log.segments import Segment
+from kvstore.space.state import StoreState
+from kvstore.telemetry import counters as tc
+
+__all__ = ["COALESCE_BYTES", "SUBMIT_BYTES", "SegmentWriter"]
+
+_ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
+
+
+@dataclasses.dataclass(slots=True)
+class _PendingPut:
+    key: bytes
+    entry: PageEntry
+    segment: Segment
+    span: int
+
+
+@dataclasses.dataclass(slots=True)
+class _PendingWrite:
+    """One write of consecutive records of one ``put_many`` call: one buffer, one I/O."""
+
+    segment: Segment
+    offset: int  # of the first record
+    buffer: AlignedBuffer
+    started_ns: int  # when put_many began: put latency is until the page is published
+    length: int = 0
+    pages: list[_PendingPut] = dataclasses.field(default_factory=list)
+
+
+# put_many submits queued writes once this many bytes are waiting: a 1 MiB page
+# goes at once, 16 KiB pages go sixteen to a syscall.
+SUBMIT_BYTES = 256 << 10
+# Records reserved back to back in one segment share a write of up to this many
+# bytes: small pages cost one I/O per 256 KiB instead of one each.
+COALESCE_BYTES = 256 << 10
+
+# Throughput windows reported by stats() and the exporter (seconds).
+_THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
+
+
+Reserve = Callable[..., tuple[Segment, int, int]]
+"""``reserve(span, drain=...)`` -> (segment, offset, lsn): the store's reserve step."""
+
+
+class SegmentWriter:
+    def __init__(
+        self,
+        state: StoreState,
+        engine: IOEngine,
+        buffers: BufferPool,
+        *,
+        io_depth: int,
+        reserve: Reserve,
+    ) -> None:
+        self._state = state
+        self._engine = engine
+        self._buffers = buffers
+        self._io_depth = io_depth
+        self._reserve = reserve
+
+    def close(self) -> None:
+        """Drop the store's reserve step (it refers back to the store)."""
+
+        def closed(*_: object, **__: object) -> tuple[Segment, int, int]:
+            raise WriterFailedError("the store is closed")
+
+        self._reserve = closed
+
+    def write(self, prepared: list[tuple[bytes, memoryview, bytes]], started_ns: int) -> None:
+        """Write and publish every (key, payload, meta) of one ``put_many`` call; raise the
+        first error after every write in flight has completed (what completed whole is
+        published)."""
+        queue = self._engine.queue()
+        in_flight: dict[int, _PendingWrite] = {}
+        error: KVStoreError | None = None
+        run: _PendingWrite | None = None  # the write being filled, not yet queued
+        tokens = itertools.count()
+        unsubmitted = 0
+
+        def queue_run() -> None:
+            """Queue the open write; reap completions to keep io_depth in flight."""
+            nonlocal run, unsubmitted, error
+            if run is None:
+                return
+            write, run = run, None
+            token = next(tokens)
+            in_flight[token] = write
+            queue.write(write.segment.fd, write.offset, write.buffer.view[: write.length], token)
+            unsubmitted += write.length
+            if unsubmitted >= SUBMIT_BYTES:
+                # Start these writes while the next pages are prepared; small
+                # pages share one io_uring_submit (waiting submits the rest).
+                queue.submit()
+                unsubmitted = 0
+            if queue.in_flight >= self._io_depth:
+                error = self._complete(queue, in_flight, 1) or error  # submits
+                unsubmitted = 0
+
+        def drain() -> None:
+            nonlocal error
+            queue_run()
+            while queue.in_flight:
+                error = self._complete(queue, in_flight, queue.in_flight) or error
+
+        try:
+            for key, view, meta in prepared:
+                size = view.nbytes
+                span = record_span(size)
+                payload_checksum = checksum(view)
+                segment, offset, lsn = self._reserve(
+                    span, drain=drain if in_flight or run is not None else None
+                )
+                page = _PendingPut(
+                    key,
+                    PageEntry(
+                        segment.segment_id,
+                        segment.generation,
+                        offset,
+                        size,
+                        payload_checksum,
+                        lsn,
+                        meta,
+                    ),
+                    segment,
+                    span,
+                )
+                if run is not None and (
+                    run.segment is not segment
+                    or run.offset + run.length != offset
+                    or run.length + span > run.buffer.capacity
+                ):
+                    try:
+                        queue_run()
+                    except BaseException:
+                        self._abandon_reserved([page])
+                        raise
+                if run is None:
+                    try:
+                        buffer = self._buffers.acquire(max(span, COALESCE_BYTES))
+                    except BaseException:
+                        self._abandon_reserved([page])
+                        raise
+                    run = _PendingWrite(segment, offset, buffer, started_ns)
+                # Registered before anything else can raise: the cleanup below
+                # releases the reservation of a page that was never submitted.
+                run.pages.append(page)
+                block = run.buffer.view[run.length :]
+                encode_record_fields_into(
+                    block,
+                    RECORD_PAGE,
+                    key,
+                    meta,
+                    size,
+                    lsn,
+                    segment.segment_id,
+                    offset,
+                    segment.generation,
+                    payload_checksum,
+                )
+                block[BLOCK_BYTES : BLOCK_BYTES + size] = view
+                block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
+                run.length += span
+                if run.length >= COALESCE_BYTES:
+                    queue_run()
+                if error is not None:
+                    break
+            if error is None:
+                queue_run()
+        finally:
+            while queue.in_flight:
+                error = self._complete(queue, in_flight, queue.in_flight) or error
+            # Reserved but never submitted (an exception above): the open write,
+            # and any write the queue refused.
+            unsent = list(in_flight.values()) + ([run] if run is not None else [])
+            for write in unsent:
+                self._abandon_reserved(write.pages)
+                self._buffers.release(write.buffer)
+        if error is not None:
+            raise error
+
+    def _abandon_reserved(self, pages: list[_PendingPut]) -> None:
+        """Release the reservations of pages that were never written."""
+        with self._state.lock:
+            for page in pages:
+                self._state.finish_inflight_locked(page.segment.segment_id)
+
+    def _complete(
+        self, queue: IOQueue, in_flight: dict[int, _PendingWrite], wanted: int
+    ) -> KVStoreError | None:
+        """Reap write completions and publish the pages of writes that completed whole."""
+        st = self._state
+        completions = queue.wait(wanted)
+        error: KVStoreError | None = None
+        records: list[bytes | None] = []
+        published: list[_PendingPut] = []
+        writes: list[_PendingWrite] = []
+        for token, result in completions:
+            write = in_flight.pop(token)
+            writes.append(write)
+            if result != write.length:
+                errno = -result if result < 0 else None
+                error = st.fail(
+                    WriterFailedError(
+                        f"write of {write.length} bytes to segment {write.segment.segment_id} "
+                        f"at offset {write.offset} returned {result}",
+                        errno,
+                    )
+                )
+                records.extend([None] * len(write.pages))
+            else:
+                for pending in write.pages:
+                    entry = pending.entry
+                    records.append(
+                        encode_put_fields(
+                            entry.lsn,
+                            pending.key,
+                            entry.segment_id,
+                            entry.generation,
+                            entry.offset,
+                            entry.payload_bytes,
+                            entry.payload_checksum,
+                            entry.meta,
+                        )
+                    )
+            published.extend(write.pages)
+        done_ns = time.perf_counter_ns()
+        tv = st.tv
+        table, states, on_put = (
+            st.table,
+            st.segment_states,
+            st.policy.on_put,
+        )
+        with st.lock:
+            # Read under the same lock as the publish: a group commit swaps the
+            # list out under this lock, and a record appended to a list taken
+            # before it would be written by nobody while its page is readable
+            # and the next flush() returns (issue 13).
+            pending_records = st.pending
+            for pending in published:
+                st.finish_inflight_locked(pending.segment.segment_id)
+            puts = host = spans = 0
+            for pending, record in zip(published, records, strict=True):
+                if record is None:
+                    continue
+                entry = pending.entry
+                apply_put(table, states, pending.key, entry)
+                on_put(pending.key, entry.payload_bytes, decode_meta(entry.meta))
+                pending_records.append(record)
+                pending.segment.dirty = True
+                puts += 1
+                host += entry.payload_bytes
+                spans += pending.span
+            if puts:
+                # Every page of one put_many call started together: one latency each.
+                started_ns = writes[0].started_ns
+                tv[tc.PUTS] += puts
+                tv[tc.HOST] += host
+                tv[tc.RECORD_OVERHEAD] += spans - host
+                tc.observe_many(tv, tc.OP_PUT, done_ns - started_ns, puts)
+        for write in writes:
+            self._buffers.release(write.buffer)
+        return error
