@@ -8,7 +8,6 @@ Nothing here runs after the open returns, so no lock is taken: the threads start
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import shutil
@@ -58,6 +57,7 @@ from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.policies import POLICIES, make_policy
+from kvstore.space.report import Degraded
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.writer import SegmentWriter
@@ -68,7 +68,6 @@ if TYPE_CHECKING:
     from kvstore.store import KVStore
 
 __all__ = [
-    "Degraded",
     "check_config",
     "choose_active_segment",
     "create_store",
@@ -85,20 +84,6 @@ __all__ = [
 # A read-only open takes a new view this many times while the writer's checkpoints
 # keep deleting the WAL files its view starts from.
 VIEW_ATTEMPTS = 10
-
-
-@dataclasses.dataclass(slots=True)
-class Degraded:
-    """What this open could not vouch for (``stats()``; docs/operations.md, "Degraded open")."""
-
-    reasons: list[str] = dataclasses.field(default_factory=list)
-    segments: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> why
-    served: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> pages verified
-    pages: int = 0  # dropped: misses
-    salvaged_pages: int = 0
-    damaged_wal_headers: int = 0
-    salvaged_wal_records: int = 0
-    index_salvaged: bool = False
 
 
 def recover(store: KVStore) -> Recovered:

@@ -51,11 +51,10 @@ from kvstore.errors import (
 )
 from kvstore.format.constants import (
     BLOCK_BYTES,
-    FORMAT_VERSION,
     MAX_INDEX_KEY_BYTES,
     record_span,
 )
-from kvstore.format.entries import SEGMENT_ACTIVE, PageEntry
+from kvstore.format.entries import PageEntry
 from kvstore.format.names import (
     LOCK_NAME,
     SUPERBLOCK_NAME,
@@ -65,7 +64,6 @@ from kvstore.format.records import (
 )
 from kvstore.format.wal import (
     encode_delete,
-    encode_retain,
 )
 from kvstore.index.lmdb_env import IndexEnv
 from kvstore.index.recovery import (
@@ -98,6 +96,8 @@ from kvstore.log.wal import list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.internals import StoreInternals
+from kvstore.space.protection import hold, retain_step_locked, unhold
+from kvstore.space.report import Degraded, gauges_locked, store_stats_locked
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
@@ -151,7 +151,7 @@ class KVStore:
     _index_salvage: IndexSalvage | None
     _salvage_dir: Path | None  # read-only: a private rebuilt index
     _live_now: dict[int, int] | None  # read-only: segments live now, when asked
-    _degraded: lifecycle.Degraded
+    _degraded: Degraded
     # The components (docs/design.md, "Layers"), each documenting its locks.
     _recorder: Recorder
     _state: StoreState  # everything guarded by the state lock
@@ -583,60 +583,6 @@ class KVStore:
             return raw, None  # read-only: freed by the live writer since this view
         return raw, entry
 
-    def _hold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
-        """Register reads on the segments holding ``wanted`` so GC cannot free them.
-
-        A lookup that raced a segment free (its page moved or died) is redone. An
-        entry that keeps naming a segment the store does not have is corruption
-        (a damaged or hostile index), not a race: CorruptionError, nothing held.
-        """
-        st = self._state
-        held: list[int] = []
-        todo = list(range(len(wanted)))
-        stuck_rounds = 0
-        while todo:
-            retry = []
-            with st.lock:
-                for index in todo:
-                    entry = wanted[index][1]
-                    if entry is None:
-                        continue
-                    if entry.segment_id in st.segments:
-                        st.segment_readers[entry.segment_id] += 1
-                        held.append(index)
-                    else:
-                        retry.append(index)
-            stuck = None
-            for index in retry:
-                key, old = wanted[index]
-                new = st.table.get(key)
-                if new is not None and new == old:
-                    stuck = (key, new)
-                wanted[index] = (key, new)
-            stuck_rounds = stuck_rounds + 1 if stuck is not None else 0
-            if stuck is not None and stuck_rounds >= 3:
-                with st.lock:
-                    for index in held:
-                        entry = wanted[index][1]
-                        assert entry is not None
-                        self._state.release_reader_locked(entry.segment_id)
-                key, entry = stuck
-                for index in retry:  # nothing of this call stays held
-                    wanted[index] = (wanted[index][0], None)
-                raise CorruptionError(
-                    f"page {key!r} names segment {entry.segment_id}, which the store does "
-                    "not have; run `kvstore recover PATH`"
-                )
-            if stuck is not None:
-                time.sleep(0.001)  # let a segment free that is in progress finish
-            todo = retry
-
-    def _unhold(self, wanted: list[tuple[bytes, PageEntry | None]]) -> None:
-        with self._state.lock:
-            for _, entry in wanted:
-                if entry is not None:
-                    self._state.release_reader_locked(entry.segment_id)
-
     def _read_entries(
         self,
         wanted: list[tuple[bytes, PageEntry | None]],
@@ -649,11 +595,11 @@ class KVStore:
         (``direct_target``) is read there and not passed to ``sink``.
         """
         self._check_open()
-        self._hold(wanted)
+        hold(self._state, wanted)
         try:
             return self._read_held(wanted, sink, targets)
         finally:
-            self._unhold(wanted)
+            unhold(self._state, wanted)
 
     def _read_held(
         self,
@@ -741,7 +687,7 @@ class KVStore:
                     st.segment_readers[entry.segment_id] += 1
             if segment is None:  # raced a segment free, or a damaged index: look again
                 wanted: list[tuple[bytes, PageEntry | None]] = [(raw, entry)]
-                self._hold(wanted)
+                hold(self._state, wanted)
                 entry = wanted[0][1]
                 if entry is not None:
                     segment = st.segments[entry.segment_id]
@@ -920,18 +866,9 @@ class KVStore:
         while True:
             with st.cond:
                 self._wait_writable()
-                if retained and st.table.get(raw) is None:
-                    return False
-                if (raw in st.retains) == retained:
-                    return retained
-                if st.next_lsn + 2 < st.lease_until:
-                    lsn = self._state.take_lsn_locked()
-                    st.pending.append(encode_retain(lsn, raw, retained))
-                    if retained:
-                        st.retains.add(raw)
-                    else:
-                        st.retains.discard(raw)
-                    return True
+                done = retain_step_locked(st, raw, retained)
+            if done is not None:
+                return done
             self._journal.extend_lease()
 
     def is_retained(self, key: Key) -> bool:
@@ -1016,99 +953,30 @@ class KVStore:
         st = self._state
         self._check_open()
         snapshot = self.telemetry_snapshot()
-        wear = snapshot.wear_report()
+        wal = self._journal.wal
+        wal_files = len(list_wal_files(self.root))
         with st.lock:
-            counters = self._recorder.session_counters(st.stale_reads)
-            wal_bytes = self._journal.wal.size_bytes if self._journal.wal is not None else 0
-            active = st.active.segment_id if st.active is not None else 0
-            overlay = len(st.table.active) + len(st.table.frozen or {})
-            live = sum(state.live_bytes for state in st.segment_states.values())
-            used = sum(  # record bytes written so far (the header block is not garbage)
-                state.head_bytes - BLOCK_BYTES for state in st.segment_states.values()
-            )
-            by_state = {"active": 0, "sealed": 0}
-            for state in st.segment_states.values():
-                by_state["active" if state.state == SEGMENT_ACTIVE else "sealed"] += 1
-            return StoreStats(
+            return store_stats_locked(
+                st,
+                snapshot,
+                self._recorder.session_counters(st.stale_reads),
+                self._degraded.fields(self._env.check_seconds),
                 path=str(self.root),
-                format_version=FORMAT_VERSION,
                 io_engine=self._engine.name,
                 io_engine_reason=self._engine.why,
                 direct_io=self.direct_io,
                 readonly=self.readonly,
-                pages=len(st.table),
-                segments=len(st.segments),
                 segment_bytes=self.config.segment_bytes,
-                active_segment_id=active,
-                bytes_on_disk=len(st.segments) * self.config.segment_bytes,
-                next_lsn=st.next_lsn,
-                durable_lsn=st.durable_lsn,
-                checkpoint_lsn=st.checkpoint_lsn,
-                wal_files=len(list_wal_files(self.root)),
-                wal_bytes=wal_bytes,
-                overlay_entries=overlay,
-                counters=counters,
-                capacity_bytes=st.capacity_bytes,
-                live_bytes=live,
-                garbage_bytes=used - live,
-                free_bytes=None
-                if st.capacity_bytes is None
-                else st.capacity_bytes - len(st.segments) * self.config.segment_bytes,
-                segments_by_state=by_state,
-                pinned_pages=sum(len(stack) for stack in st.pins.values()),
-                retained_pages=len(st.retains),
-                eviction_policy=st.policy.name,
-                evictions=dict(st.evictions),
-                gc_bytes_copied=counters["gc_bytes_copied"],
-                write_amplification=wear.write_amplification,
-                host_bytes=wear.host_bytes,
-                store_bytes=wear.store_bytes,
-                store_bytes_by_kind=wear.store_bytes_by_kind,
-                dwpd=wear.dwpd,
-                drive_capacity_bytes=wear.drive_capacity_bytes,
-                max_dwpd=wear.max_dwpd,
-                declined_puts=snapshot.counter("declined_puts"),
-                telemetry=snapshot.counters(),
-                throughput=snapshot.throughput,
-                **self._degraded_stats(),
+                wal_files=wal_files,
+                wal_bytes=wal.size_bytes if wal is not None else 0,
             )
-
-    def _degraded_stats(self) -> dict[str, Any]:
-        """The ``StoreStats`` fields of a degraded open (docs/operations.md)."""
-        found = self._degraded
-        return {
-            "degraded": bool(found.reasons),
-            "degraded_reasons": tuple(found.reasons),
-            "quarantined_segments": len(found.segments),
-            "quarantined_pages": found.pages,
-            "salvaged_pages": found.salvaged_pages,
-            "damaged_wal_headers": found.damaged_wal_headers,
-            "salvaged_wal_records": found.salvaged_wal_records,
-            "index_salvaged": found.index_salvaged,
-            "index_check_seconds": self._env.check_seconds,
-        }
-
-    # -- telemetry -----------------------------------------------------------
 
     def telemetry_snapshot(self) -> TelemetrySnapshot:
         """Lifetime counters, hourly history and recent rates (see kvstore/telemetry)."""
         self._check_open()
         with self._state.lock:
             values = list(self._state.tv)
-            gauges = {
-                "pages": float(len(self._state.table)),
-                "segments": float(len(self._state.segments)),
-                "live_bytes": float(
-                    sum(state.live_bytes for state in self._state.segment_states.values())
-                ),
-                "pinned_pages": float(sum(len(stack) for stack in self._state.pins.values())),
-                "retained_pages": float(len(self._state.retains)),
-            }
-            if self._state.capacity_bytes is not None:
-                gauges["capacity_bytes"] = float(self._state.capacity_bytes)
-            for name, value in self._degraded_stats().items():
-                if isinstance(value, bool | int) and name != "index_check_seconds":
-                    gauges[name] = float(value)
+            gauges = gauges_locked(self._state, self._degraded.fields(self._env.check_seconds))
         return self._recorder.snapshot(values, gauges, path=str(self.root))
 
     def wear(self) -> WearReport:
