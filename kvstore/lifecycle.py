@@ -552,6 +552,15 @@ def open_components(store: KVStore) -> Recovered:
         segment_bytes=config.segment_bytes,
         direct=store.direct_io,
     )
+    store._writer = SegmentWriter(
+        store._state,
+        store._engine,
+        store._buffers,
+        io_depth=config.io_depth,
+        segment_set=store._segment_set,
+        journal=store._journal,
+        check_writable=store._check_writable,
+    )
     store._collector = Collector(
         store._state,
         config,
@@ -561,17 +570,11 @@ def open_components(store: KVStore) -> Recovered:
         buffers=store._buffers,
         reader=store._reader,
         journal=store._journal,
-        reserve=lambda span: store._reserve(span, for_gc=True),
+        writer=store._writer,
         wait_writable=store._wait_writable,
         segment_set=store._segment_set,
     )
-    store._writer = SegmentWriter(
-        store._state,
-        store._engine,
-        store._buffers,
-        io_depth=config.io_depth,
-        reserve=store._reserve,
-    )
+    store._writer.make_room = store._collector.make_room
     store._checkpointer = Checkpointer(store._state, store._journal, store._recorder, root)
     store._stop = threading.Event()
     store._flusher = store._gc_thread = store._prepare_thread = store._telemetry_thread = None

@@ -45,7 +45,6 @@ from kvstore.errors import (
     NotRegularFileError,
     PinError,
     ReadOnlyError,
-    StoreFullError,
     StoreNotFoundError,
     WriterFailedError,
 )
@@ -89,9 +88,6 @@ from kvstore.io.files import (
 from kvstore.log.journal import Journal
 from kvstore.log.regular import read_regular, require_regular
 from kvstore.log.segment_reader import SegmentReader
-from kvstore.log.segments import (
-    Segment,
-)
 from kvstore.log.wal import list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
@@ -367,80 +363,6 @@ class KVStore:
             self._check_writable()
 
     # -- LSNs, segments, reservation ---------------------------------------
-
-    def _reserve(
-        self,
-        span: int,
-        *,
-        for_gc: bool = False,
-        drain: Callable[[], None] | None = None,
-    ) -> tuple[Segment, int, int]:
-        """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight.
-
-        ``drain`` completes the caller's own in-flight writes. It runs before any
-        wait (a freeze, a lease extension, making room), because a checkpoint or
-        sweep waits for every in-flight write, including the caller's.
-        """
-        st = self._state
-        room_attempts = 0
-        while True:
-            must_drain = False
-            spare_pending = False
-            with st.cond:
-                self._check_writable()
-                if drain is not None and st.freezing:
-                    must_drain = True
-                while st.freezing and not must_drain:
-                    st.cond.wait()
-                    self._check_writable()
-                needs_lease = st.next_lsn + 2 >= st.lease_until
-                needs_room = False
-                if not needs_lease and not must_drain:
-                    segment = st.active
-                    if segment is None or segment.remaining() < span:
-                        if not self._state.may_roll_locked(for_gc):
-                            if for_gc:
-                                raise StoreFullError(
-                                    "GC has no free segment to relocate pages into"
-                                )
-                            needs_room = True
-                        elif st.preparing:
-                            # Waiting releases the lock: a freeze, the lease or the
-                            # capacity may change meanwhile, so wait outside and
-                            # start over rather than roll on stale checks.
-                            spare_pending = True
-                        else:
-                            segment = self._segment_set.roll_locked()
-                    if not needs_room and not spare_pending:
-                        assert segment is not None
-                        offset = segment.head
-                        segment.head += span
-                        lsn = self._state.take_lsn_locked()
-                        st.inflight += 1
-                        st.segment_writers[segment.segment_id] += 1
-                        return segment, offset, lsn
-            if drain is not None and (must_drain or needs_lease or needs_room or spare_pending):
-                drain()
-                drain = None  # nothing of the caller's is in flight any more
-            if spare_pending:
-                with st.cond:
-                    while st.preparing:
-                        st.cond.wait()
-                continue
-            if must_drain:
-                continue
-            if needs_lease:
-                self._journal.extend_lease()
-            elif needs_room:
-                if room_attempts >= 2:
-                    raise StoreFullError(
-                        f"store is full ({st.capacity_bytes} bytes) and nothing can be "
-                        "evicted: every remaining page is pinned or retained"
-                    )
-                room_attempts += 1
-                self._collector.make_room()
-
-    # -- writes --------------------------------------------------------------
 
     def put(self, key: Key, value: object, *, meta: Meta | None = None, sync: bool = False) -> bool:
         """Store ``value`` under ``key``. True when stored.

@@ -12,8 +12,9 @@ everywhere (docs/design.md, "Locks"). A writer that finds no room calls
 
 What the collector needs from the rest of the store comes in at construction: the
 shared ``StoreState``, the ``Journal`` (a SEGMENT_FREE is committed before the file
-goes), and from the writer ``reserve`` (a reservation in the active segment) and
-``wait_writable``, and the ``SegmentSet`` (a freed file becomes the spare).
+goes), the ``SegmentWriter`` (its ``reserve``: room in the active segment for a
+moved page), ``wait_writable`` (the store's check, under the state lock), and the
+``SegmentSet`` (a freed file becomes the spare).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvstore.space.policies import SegmentView
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.space.tally import GCTally
+from kvstore.space.writer import SegmentWriter
 from kvstore.telemetry import counters as tc
 
 __all__ = ["Collector"]
@@ -65,7 +67,7 @@ class Collector:
         buffers: BufferPool,
         reader: SegmentReader,
         journal: Journal,
-        reserve: Callable[[int], tuple[Segment, int, int]],
+        writer: SegmentWriter,
         wait_writable: Callable[[], None],
         segment_set: SegmentSet,
     ) -> None:
@@ -77,7 +79,7 @@ class Collector:
         self._buffers = buffers
         self._reader = reader
         self._journal = journal
-        self._reserve = reserve
+        self._writer = writer
         self._wait_writable = wait_writable
         self._segment_set = segment_set
         self.lock = threading.Lock()  # the GC lock: one pass at a time
@@ -90,7 +92,7 @@ class Collector:
         def closed(*_: object) -> Any:
             raise ClosedError("the store is closed")
 
-        self._reserve = self._wait_writable = closed
+        self._wait_writable = closed
 
     def run_pass(self, tally: GCTally, *, full: bool = False) -> None:
         """One pass: (with ``full``, mark-and-sweep,) free empty segments, compact
@@ -412,7 +414,7 @@ class Collector:
         """Copy a verified record to the active segment; publish only if unchanged."""
         st = self._state
         span = entry.span_bytes
-        segment, offset, _ = self._reserve(span)
+        segment, offset, _ = self._writer.reserve(span, for_gc=True)
         try:
             buffer = self._buffers.acquire(span)
         except BaseException:

@@ -1,8 +1,9 @@
 """The segment writer: ``put_many``'s batching, coalescing and publish (docs/design.md,
 "Write path").
 
-Each page gets a reservation at the active segment's head (the store's reserve step:
-segment, offset and LSN under the state lock, counted in flight), its record is
+Each page gets a reservation at the active segment's head (``reserve``: segment,
+offset and LSN under the state lock, counted in flight; it waits out a writer
+barrier, extends the LSN lease, rolls the segment or makes room first as needed), its record is
 encoded into a write buffer, and records reserved back to back in one segment share
 one write of up to ``COALESCE_BYTES``. Writes go to the I/O engine with up to
 ``io_depth`` in flight; a page is published (page table, policy, pending WAL PUT
@@ -21,7 +22,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvstore.errors import KVStoreError, WriterFailedError
+from kvstore.errors import KVStoreError, StoreFullError, WriterFailedError
 from kvstore.format.checksum import checksum
 from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, record_span
 from kvstore.format.entries import PageEntry
@@ -31,7 +32,9 @@ from kvstore.index.recovery import apply_put
 from kvstore.inputs import decode_meta
 from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue
+from kvstore.log.journal import Journal
 from kvstore.log.segments import Segment
+from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
 from kvstore.telemetry import counters as tc
 
@@ -71,8 +74,8 @@ COALESCE_BYTES = 256 << 10
 _THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
 
 
-Reserve = Callable[..., tuple[Segment, int, int]]
-"""``reserve(span, drain=...)`` -> (segment, offset, lsn): the store's reserve step."""
+def _no_room() -> None:
+    raise StoreFullError("store is full")
 
 
 class SegmentWriter:
@@ -83,21 +86,101 @@ class SegmentWriter:
         buffers: BufferPool,
         *,
         io_depth: int,
-        reserve: Reserve,
+        segment_set: SegmentSet,
+        journal: Journal,
+        check_writable: Callable[[], None],
     ) -> None:
         self._state = state
         self._engine = engine
         self._buffers = buffers
         self._io_depth = io_depth
-        self._reserve = reserve
+        self._segment_set = segment_set
+        self._journal = journal
+        self._check_writable = check_writable  # under the state lock; the store's own check
+        # Evict until a new segment fits: the collector's make_room (set by the open).
+        self.make_room: Callable[[], None] = _no_room
 
     def close(self) -> None:
-        """Drop the store's reserve step (it refers back to the store)."""
+        """Drop the callbacks into the store and the collector (they refer back)."""
 
-        def closed(*_: object, **__: object) -> tuple[Segment, int, int]:
+        def closed() -> None:
             raise WriterFailedError("the store is closed")
 
-        self._reserve = closed
+        self._check_writable = self.make_room = closed
+
+    def reserve(
+        self,
+        span: int,
+        *,
+        for_gc: bool = False,
+        drain: Callable[[], None] | None = None,
+    ) -> tuple[Segment, int, int]:
+        """(segment, offset, lsn) for a record of ``span`` bytes; counts it in flight.
+
+        ``drain`` completes the caller's own in-flight writes. It runs before any
+        wait (a freeze, a lease extension, making room), because a checkpoint or
+        sweep waits for every in-flight write, including the caller's.
+        """
+        st = self._state
+        room_attempts = 0
+        while True:
+            must_drain = False
+            spare_pending = False
+            with st.cond:
+                self._check_writable()
+                if drain is not None and st.freezing:
+                    must_drain = True
+                while st.freezing and not must_drain:
+                    st.cond.wait()
+                    self._check_writable()
+                needs_lease = st.next_lsn + 2 >= st.lease_until
+                needs_room = False
+                if not needs_lease and not must_drain:
+                    segment = st.active
+                    if segment is None or segment.remaining() < span:
+                        if not self._state.may_roll_locked(for_gc):
+                            if for_gc:
+                                raise StoreFullError(
+                                    "GC has no free segment to relocate pages into"
+                                )
+                            needs_room = True
+                        elif st.preparing:
+                            # Waiting releases the lock: a freeze, the lease or the
+                            # capacity may change meanwhile, so wait outside and
+                            # start over rather than roll on stale checks.
+                            spare_pending = True
+                        else:
+                            segment = self._segment_set.roll_locked()
+                    if not needs_room and not spare_pending:
+                        assert segment is not None
+                        offset = segment.head
+                        segment.head += span
+                        lsn = self._state.take_lsn_locked()
+                        st.inflight += 1
+                        st.segment_writers[segment.segment_id] += 1
+                        return segment, offset, lsn
+            if drain is not None and (must_drain or needs_lease or needs_room or spare_pending):
+                drain()
+                drain = None  # nothing of the caller's is in flight any more
+            if spare_pending:
+                with st.cond:
+                    while st.preparing:
+                        st.cond.wait()
+                continue
+            if must_drain:
+                continue
+            if needs_lease:
+                self._journal.extend_lease()
+            elif needs_room:
+                if room_attempts >= 2:
+                    raise StoreFullError(
+                        f"store is full ({st.capacity_bytes} bytes) and nothing can be "
+                        "evicted: every remaining page is pinned or retained"
+                    )
+                room_attempts += 1
+                self.make_room()
+
+    # -- writes --------------------------------------------------------------
 
     def write(self, prepared: list[tuple[bytes, memoryview, bytes]], started_ns: int) -> None:
         """Write and publish every (key, payload, meta) of one ``put_many`` call; raise the
@@ -140,7 +223,7 @@ class SegmentWriter:
                 size = view.nbytes
                 span = record_span(size)
                 payload_checksum = checksum(view)
-                segment, offset, lsn = self._reserve(
+                segment, offset, lsn = self.reserve(
                     span, drain=drain if in_flight or run is not None else None
                 )
                 page = _PendingPut(

@@ -212,7 +212,7 @@ def _private_store_names() -> set[str]:
 
 def _private_uses() -> Counter[str]:
     names = _private_store_names()
-    assert {"_state", "_env", "_reserve", "_buffers"} <= names  # the scan found the class
+    assert {"_state", "_env", "_check_writable", "_buffers"} <= names  # the scan found the class
     alternatives = "|".join(sorted(names, key=len, reverse=True))
     pattern = re.compile(rf"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.({alternatives})\b")
     uses: Counter[str] = Counter()
