@@ -20,11 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
-from kvstore.errors import CorruptionError, IOFailure, KVStoreError
+from kvstore.errors import (
+    CorruptionError,
+    IOFailure,
+    KVStoreError,
+    NotRegularFileError,
+    StoreNotFoundError,
+)
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
 from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
-from kvstore.format.records import Superblock, encode_superblock
+from kvstore.format.records import Superblock, decode_superblock, encode_superblock
 from kvstore.format.wal import WAL_FILE_HEADER_BYTES
 from kvstore.index.lmdb_env import IndexDamagedError, IndexEnv
 from kvstore.index.recovery import (
@@ -46,6 +52,7 @@ from kvstore.io.buffers import BufferPool
 from kvstore.io.engine import make_engine, resolve_choice
 from kvstore.io.files import fsync_dir, probe_direct_io, probe_direct_read, write_file_durably
 from kvstore.log.journal import Journal
+from kvstore.log.regular import read_regular
 from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import (
     Segment,
@@ -57,6 +64,7 @@ from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.policies import POLICIES, make_policy
+from kvstore.space.reads import ReadPath
 from kvstore.space.report import Degraded
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
@@ -74,7 +82,9 @@ __all__ = [
     "finish_index_swap",
     "open_components",
     "open_view_segment",
+    "prepare",
     "quarantine_segments",
+    "read_superblock",
     "recover",
     "salvage_damaged_index",
     "start_writing",
@@ -346,6 +356,53 @@ def choose_active_segment(store: KVStore) -> None:
             state.state = SEGMENT_SEALED
 
 
+def prepare(
+    root: Path, *, create: bool, readonly: bool, options: dict[str, Any]
+) -> tuple[Path, StoreConfig]:
+    """``KVStore.open``'s first step: the config from its options, every option checked
+    before anything is created (a refused open leaves no store behind), and the store
+    created when asked for and absent."""
+    max_page_bytes = options.pop("max_page_bytes")
+    segment_bytes = options.pop("segment_bytes")
+    capacity_bytes = options.pop("capacity_bytes")
+    if max_page_bytes is None:
+        max_page_bytes = 16 << 20
+        if isinstance(segment_bytes, int):  # else validate() names the bad value
+            max_page_bytes = min(max_page_bytes, segment_bytes - 2 * BLOCK_BYTES)
+    try:
+        config = StoreConfig(
+            segment_bytes=segment_bytes,
+            max_page_bytes=max_page_bytes,
+            capacity_bytes=capacity_bytes,
+            **options,
+        )
+    except TypeError as e:
+        raise TypeError(f"unknown store option: {e}") from None
+    creating = not (root / SUPERBLOCK_NAME).exists()
+    check_config(config, probe_engine=creating and create and not readonly)
+    if creating:
+        if not create or readonly:
+            raise StoreNotFoundError(f"no kvstore at {root}")
+        create_store(root, config)
+    return root, config
+
+
+def read_superblock(root: Path) -> Superblock:
+    """The store's identity and geometry (one block, never a FIFO or a device)."""
+    try:  # open(2) of a FIFO or device could block
+        superblock = decode_superblock(read_regular(root / SUPERBLOCK_NAME, BLOCK_BYTES))
+    except OSError as e:
+        raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
+    except NotRegularFileError:
+        raise
+    except CorruptionError as e:
+        # The one thing an open cannot degrade around: the store's identity.
+        from kvstore.identity import superblock_error
+
+        raise superblock_error(root, e) from None
+    return superblock
+
+
 def check_config(config: StoreConfig, *, probe_engine: bool) -> None:
     """``config.validate()`` plus the names it cannot check (they are registered in
     higher layers); with ``probe_engine``, also that an explicit ``io_engine="io_uring"``
@@ -545,6 +602,7 @@ def open_components(store: KVStore) -> Recovered:
         check_writable=store._check_writable,
         on_commit=store._recorder.count_commit_locked,
     )
+    store._reads = ReadPath(store._state, store._reader)
     store._segment_set = SegmentSet(
         store._state,
         root,

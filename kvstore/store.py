@@ -1,24 +1,17 @@
-"""KVStore: the engine-facing API. Owns the threads, the locks and the write path.
+"""KVStore: the engine-facing API, a facade over the store's components.
 
-Write path (see docs/design.md):
+The components (docs/design.md, "Layers"; each documents its own locks):
+``lifecycle`` opens and repairs; ``space.state.StoreState`` is the state under the
+one state lock; ``log.journal.Journal`` group-commits the WAL; ``space.writer``
+batches, writes and publishes puts; ``log.segment_reader`` and ``space.reads`` read
+and verify; ``space.segments`` makes segment files; ``space.gc.Collector`` frees,
+compacts and evicts; ``space.checkpoint.Checkpointer`` writes the index;
+``telemetry.recorder.Recorder`` counts. The facade keeps the public methods, the
+threads, the pin and unpin paths (inlined for speed), delete and retain.
 
-    put -> reserve aligned space at the active segment's head (under the lock)
-        -> write header block + padded payload with the I/O engine
-        -> publish: page table overlay + a pending WAL PUT record
-    group commit (flush, sync puts, the flusher thread every flush_interval_ms)
-        -> fdatasync every segment written since the last commit
-        -> append the pending records to the WAL, fdatasync the WAL
-
-Invariants:
-- A WAL record is appended only after the segment data it names is durable.
-- LSNs below the durable lease (an LSN_LEASE WAL record) are never reissued,
-  so an unacknowledged record left in a segment by a crash never shares an
-  LSN with a later page.
-- A checkpoint first drains in-flight puts and commits, then freezes the
-  overlay and rotates the WAL, so the WAL files from ``checkpoint_lsn`` on
-  hold exactly the changes not yet in LMDB.
-- A failed write or fsync stops the writer for good (WriterFailedError);
-  reopening replays the WAL.
+Lock order: {checkpoint | GC} -> commit -> state; the state lock is innermost.
+A failed write or fsync stops the writer for good (WriterFailedError); reopening
+replays the WAL.
 """
 
 from __future__ import annotations
@@ -33,45 +26,24 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kvstore import lifecycle
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     ClosedError,
-    CorruptionError,
-    IOFailure,
     KVStoreError,
-    NotRegularFileError,
     PinError,
     ReadOnlyError,
-    StoreNotFoundError,
     WriterFailedError,
 )
-from kvstore.format.constants import (
-    BLOCK_BYTES,
-    MAX_INDEX_KEY_BYTES,
-    record_span,
-)
-from kvstore.format.entries import PageEntry
-from kvstore.format.names import (
-    LOCK_NAME,
-    SUPERBLOCK_NAME,
-)
-from kvstore.format.records import (
-    decode_superblock,
-)
-from kvstore.format.wal import (
-    encode_delete,
-)
+from kvstore.format.constants import MAX_INDEX_KEY_BYTES, record_span
+from kvstore.format.names import LOCK_NAME
+from kvstore.format.wal import encode_delete
 from kvstore.index.lmdb_env import IndexEnv
-from kvstore.index.recovery import (
-    apply_delete,
-)
+from kvstore.index.recovery import apply_delete
 from kvstore.index.salvage import IndexSalvage
-from kvstore.index.table import (
-    SegmentState,
-)
+from kvstore.index.table import SegmentState
 from kvstore.inputs import (
     check_fits,
     decode_meta,
@@ -82,17 +54,16 @@ from kvstore.inputs import (
 )
 from kvstore.io.buffers import BufferPool
 from kvstore.io.engine import IOEngine
-from kvstore.io.files import (
-    acquire_writer_lock,
-)
+from kvstore.io.files import acquire_writer_lock
 from kvstore.log.journal import Journal
-from kvstore.log.regular import read_regular, require_regular
+from kvstore.log.regular import require_regular
 from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.wal import list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
 from kvstore.space.internals import StoreInternals
-from kvstore.space.protection import hold, retain_step_locked, unhold
+from kvstore.space.protection import retain_step_locked
+from kvstore.space.reads import ReadPath
 from kvstore.space.report import Degraded, gauges_locked, store_stats_locked
 from kvstore.space.segments import SegmentSet
 from kvstore.space.state import StoreState
@@ -108,8 +79,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from kvstore.check import Finding
-
-_T = TypeVar("_T")
 
 __all__ = ["KVStore", "StoreInternals"]
 
@@ -152,6 +121,7 @@ class KVStore:
     _recorder: Recorder
     _state: StoreState  # everything guarded by the state lock
     _reader: SegmentReader
+    _reads: ReadPath
     _journal: Journal
     _segment_set: SegmentSet
     _collector: Collector
@@ -184,28 +154,17 @@ class KVStore:
         checkpoint_wal_bytes, io_engine, direct_io, io_depth, ...).
         ``max_page_bytes`` defaults to 16 MiB, or less if the segment is smaller.
         """
-        if max_page_bytes is None:
-            max_page_bytes = 16 << 20
-            if isinstance(segment_bytes, int):  # else validate() names the bad value
-                max_page_bytes = min(max_page_bytes, segment_bytes - 2 * BLOCK_BYTES)
-        try:
-            config = StoreConfig(
+        root, config = lifecycle.prepare(
+            Path(path),
+            create=create,
+            readonly=readonly,
+            options=dict(
+                options,
+                capacity_bytes=capacity_bytes,
                 segment_bytes=segment_bytes,
                 max_page_bytes=max_page_bytes,
-                capacity_bytes=capacity_bytes,
-                **options,
-            )
-        except TypeError as e:
-            raise TypeError(f"unknown store option: {e}") from None
-        root = Path(path)
-        creating = not (root / SUPERBLOCK_NAME).exists()
-        # Every option is checked before anything is created: a refused open leaves
-        # no store behind.
-        lifecycle.check_config(config, probe_engine=creating and create and not readonly)
-        if creating:
-            if not create or readonly:
-                raise StoreNotFoundError(f"no kvstore at {root}")
-            lifecycle.create_store(root, config)
+            ),
+        )
         return cls(root, config, readonly=readonly)
 
     def __init__(self, root: Path, config: StoreConfig, *, readonly: bool) -> None:
@@ -213,17 +172,7 @@ class KVStore:
         self.readonly = readonly
         self._closed = False
         self._lock_fd = -1
-        try:  # never more than a block, and never a FIFO or device (open(2) could block)
-            superblock = decode_superblock(read_regular(root / SUPERBLOCK_NAME, BLOCK_BYTES))
-        except OSError as e:
-            raise IOFailure(f"cannot read {root / SUPERBLOCK_NAME}", e.errno) from e
-        except NotRegularFileError:
-            raise
-        except CorruptionError as e:
-            # The one thing an open cannot degrade around: the store's identity.
-            from kvstore.identity import superblock_error
-
-            raise superblock_error(root, e) from None
+        superblock = lifecycle.read_superblock(root)
         self.superblock = superblock
         # Geometry is fixed at creation; runtime options come from this open.
         self.config = dataclasses.replace(
@@ -494,74 +443,21 @@ class KVStore:
 
     # -- reads ---------------------------------------------------------------
 
-    def _entry(self, key: Key) -> tuple[bytes, PageEntry | None]:
-        raw = key_bytes(key)
-        entry = self._state.table.get(raw)
-        if (
-            entry is not None
-            and self._state.gone_segments
-            and entry.segment_id in self._state.gone_segments
-        ):
-            return raw, None  # read-only: freed by the live writer since this view
-        return raw, entry
-
-    def _read_entries(
-        self,
-        wanted: list[tuple[bytes, PageEntry | None]],
-        sink: Any,
-        targets: list[memoryview] | None = None,
-    ) -> list[int | None]:
-        """Read and verify pages; ``sink(index, payload_view)`` consumes each one.
-
-        With ``targets``, a page whose ``targets[index]`` can take it directly
-        (``direct_target``) is read there and not passed to ``sink``.
-        """
-        self._check_open()
-        hold(self._state, wanted)
-        try:
-            return self._read_held(wanted, sink, targets)
-        finally:
-            unhold(self._state, wanted)
-
-    def _read_held(
-        self,
-        wanted: list[tuple[bytes, PageEntry | None]],
-        sink: Any,
-        targets: list[memoryview] | None,
-    ) -> list[int | None]:
-        st = self._state
-        started_ns = time.perf_counter_ns()
-        results, error = self._reader.read_held(wanted, sink, targets)
-        hits = sum(1 for r in results if r is not None)
-        done_ns = time.perf_counter_ns()
-        tv = st.tv
-        with st.lock:
-            for (read_key, _), outcome in zip(wanted, results, strict=True):
-                if outcome is not None:
-                    st.policy.on_read(read_key)
-            tv[tc.GETS] += len(wanted)
-            tv[tc.HITS] += hits
-            tv[tc.MISSES] += len(wanted) - hits
-            tv[tc.READ_BYTES] += sum(r for r in results if r is not None)
-            tc.observe(tv, tc.OP_GET, done_ns - started_ns)
-        if error is not None:
-            raise error
-        return results
-
     def get(self, key: Key) -> bytes | None:
         """The verified bytes stored under ``key``, or None when absent."""
-        return self._get_single(key, _payload_bytes, None)
+        self._check_open()
+        return self._reads.read_one(key, _payload_bytes, None)
 
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Many verified pages with up to ``io_depth`` reads in flight; None for misses."""
         self._check_open()
-        wanted = [self._entry(key) for key in keys]
+        wanted = [self._reads.entry(key) for key in keys]
         out: list[bytes | None] = [None] * len(wanted)
 
         def sink(index: int, payload: memoryview) -> None:
             out[index] = bytes(payload)
 
-        self._read_entries(wanted, sink)
+        self._reads.read_many(wanted, sink)
         return out
 
     def get_into(self, key: Key, buffer: object) -> int | None:
@@ -583,59 +479,7 @@ class KVStore:
                 target[: payload.nbytes] = payload
             return payload.nbytes
 
-        return self._get_single(key, copy, target)
-
-    def _get_single(
-        self, key: Key, consume: Callable[[memoryview, bool], _T], target: memoryview | None
-    ) -> _T | None:
-        """One page, the latency path: ``consume(verified payload, in_place)``, or None.
-
-        ``in_place``: the payload was read straight into ``target`` (zero-copy).
-
-        No batch bookkeeping: hold the segment, one read (on io_uring, polled for
-        up to ``read_poll_us``; else one ``preadv``), verify, consume, and count,
-        with the store lock taken once before the read and once after.
-        """
-        st = self._state
-        self._check_open()
-        started_ns = time.perf_counter_ns()
-        raw, entry = self._entry(key)
-        if entry is not None:
-            if target is not None:
-                check_fits(target, raw, entry.payload_bytes)
-            with st.lock:
-                segment = st.segments.get(entry.segment_id)
-                if segment is not None:
-                    st.segment_readers[entry.segment_id] += 1
-            if segment is None:  # raced a segment free, or a damaged index: look again
-                wanted: list[tuple[bytes, PageEntry | None]] = [(raw, entry)]
-                hold(self._state, wanted)
-                entry = wanted[0][1]
-                if entry is not None:
-                    segment = st.segments[entry.segment_id]
-        result: _T | None = None
-        try:
-            if entry is not None:
-                assert segment is not None
-                if target is not None:  # the hold may have found a newer, larger page
-                    check_fits(target, raw, entry.payload_bytes)
-                result = self._reader.read_page(raw, entry, consume, target)
-        finally:
-            done_ns = time.perf_counter_ns()
-            tv = st.tv
-            with st.lock:
-                if entry is not None:
-                    self._state.release_reader_locked(entry.segment_id)
-                tv[tc.GETS] += 1
-                if result is None:
-                    tv[tc.MISSES] += 1
-                else:
-                    assert entry is not None
-                    tv[tc.HITS] += 1
-                    tv[tc.READ_BYTES] += entry.payload_bytes
-                    st.policy.on_read(raw)
-                tc.observe(tv, tc.OP_GET, done_ns - started_ns)
-        return result
+        return self._reads.read_one(key, copy, target)
 
     def get_many_into(self, keys: Iterable[Key], buffers: Iterable[object]) -> list[int | None]:
         """Read many pages into the caller's buffers with up to ``io_depth`` reads in flight.
@@ -646,7 +490,7 @@ class KVStore:
         ``get_into``.
         """
         self._check_open()
-        wanted = [self._entry(key) for key in keys]
+        wanted = [self._reads.entry(key) for key in keys]
         targets = [writable_view(buffer) for buffer in buffers]
         if len(targets) != len(wanted):
             raise ValueError(f"{len(wanted)} keys but {len(targets)} buffers")
@@ -659,7 +503,7 @@ class KVStore:
             check_fits(target, wanted[index][0], payload.nbytes)  # overwritten meanwhile?
             target[: payload.nbytes] = payload
 
-        return self._read_entries(wanted, sink, targets)
+        return self._reads.read_many(wanted, sink, targets)
 
     # -- pins and retains ------------------------------------------------
 
@@ -857,7 +701,7 @@ class KVStore:
     def info(self, key: Key) -> PageInfo | None:
         """Where and what a page is, without reading it; None when absent."""
         self._check_open()
-        raw, entry = self._entry(key)
+        raw, entry = self._reads.entry(key)
         if entry is None:
             return None
         return PageInfo(
