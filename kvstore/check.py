@@ -190,7 +190,7 @@ def check_store(
     beside a live writer, what the writer changed since is skipped and counted
     (``Findings.changed_while_checking``), never reported as damage.
     """
-    store._check_open()
+    store.internals.check_open()
     if repair and store.readonly:
         raise ReadOnlyError(f"store {store.root} was opened read-only; fsck cannot repair it")
     run = _Run(store, deep, repair, progress)
@@ -491,12 +491,12 @@ def _check_degraded(run: _Run) -> None:
     - A salvaged index: a writer open already swapped the rebuilt one in.
     """
     store = run.store
-    found = store._degraded
+    found = store.internals.degraded
     if not found.reasons:
         return
     for segment_id, why in sorted(found.segments.items()):
         served = found.served.get(segment_id, 0)
-        segment = store._state.segments.get(segment_id)
+        segment = store.internals.state.segments.get(segment_id)
         existing = [
             f for f in run.findings if f.kind == "segment-header" and f.segment_id == segment_id
         ]
@@ -580,9 +580,9 @@ def _rewrite_segment_header(store: KVStore, segment_id: int) -> None:
     from kvstore.format.records import SegmentHeader
     from kvstore.log.segments import rewrite_segment_header
 
-    with store._state.lock:
-        state = store._state.segment_states[segment_id]
-        segment = store._state.segments[segment_id]
+    with store.internals.state.lock:
+        state = store.internals.state.segment_states[segment_id]
+        segment = store.internals.state.segments[segment_id]
     rewrite_segment_header(
         segment.path,
         SegmentHeader(
@@ -632,13 +632,13 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
     try:
         for key, entry in entries:
             where = {"segment_id": entry.segment_id, "offset": entry.offset, "key": key}
-            with store._state.lock:
-                segment = store._state.segments.get(entry.segment_id)
-                state = store._state.segment_states.get(entry.segment_id)
+            with store.internals.state.lock:
+                segment = store.internals.state.segments.get(entry.segment_id)
+                state = store.internals.state.segment_states.get(entry.segment_id)
                 if segment is not None and state is not None:
-                    store._state.segment_readers[entry.segment_id] += 1
+                    store.internals.state.segment_readers[entry.segment_id] += 1
                     held[entry.segment_id] += 1
-            if segment is None and entry.segment_id in store._state.gone_segments:
+            if segment is None and entry.segment_id in store.internals.state.gone_segments:
                 run.changed += 1  # read-only: the live writer freed it before the open
                 continue
             if segment is None or state is None or state.generation != entry.generation:
@@ -682,10 +682,10 @@ def _check_records(run: _Run, bad_page_keys: set[bytes]) -> None:
         for key, entry, finding in _verify_targets(run, targets):
             to_delete.append((key, entry, finding))
     finally:
-        with store._state.lock:
+        with store.internals.state.lock:
             for segment_id, count in held.items():
                 for _ in range(count):
-                    store._state.release_reader_locked(segment_id)
+                    store.internals.state.release_reader_locked(segment_id)
     del bad_page_keys  # reported (and repaired) by _check_index_values
     for key, entry, finding in to_delete:
         repaired = False
@@ -716,7 +716,7 @@ def _verify_targets(
     run: _Run, targets: list[_Target]
 ) -> Iterator[tuple[bytes, PageEntry, Finding]]:
     store = run.store
-    queue = store._engine.queue("fsck")
+    queue = store.internals.engine.queue("fsck")
     total = sum(target.entry.span_bytes for target in targets) if run.deep else 0
     done = 0
     if run.progress is not None and run.deep:
@@ -812,8 +812,8 @@ def _check_accounting(run: _Run) -> None:
                 pages[entry.segment_id] += 1
         except (lmdb.Error, KVStoreError):
             return  # reported as index-unreadable
-        with store._state.lock:
-            for segment_id, state in sorted(store._state.segment_states.items()):
+        with store.internals.state.lock:
+            for segment_id, state in sorted(store.internals.state.segment_states.items()):
                 if state.live_bytes == live[segment_id] and state.live_pages == pages[segment_id]:
                     continue
                 message = (
@@ -842,15 +842,15 @@ def _check_files(run: _Run) -> None:
         TIERING_STATS_NAME,
         TIERING_STATS_TMP_NAME,
     }
-    with store.internals.writers_frozen(), store._state.cond:
-        while store._state.preparing:
-            store._state.cond.wait()
-        spare = store._state.spare
+    with store.internals.writers_frozen(), store.internals.state.cond:
+        while store.internals.state.preparing:
+            store.internals.state.cond.wait()
+        spare = store.internals.state.spare
         spare_id = spare.segment_id if spare is not None else None
-        known = set(store._state.segment_states)
+        known = set(store.internals.state.segment_states)
         # A live writer beside a read-only open makes segments (and a spare) after
         # the open; their ids are at or past this open's next_segment_id.
-        next_id = store._state.next_segment_id if _writer_may_be_live(store) else None
+        next_id = store.internals.state.next_segment_id if _writer_may_be_live(store) else None
         orphans: list[tuple[int, Path]] = []
         try:
             for entry in os.scandir(root / SEGMENTS_DIR):
@@ -938,7 +938,7 @@ def _check_wal(run: _Run) -> None:
     root = store.root
     lock = store.internals.checkpoint_lock if not store.readonly else contextlib.nullcontext()
     with lock:
-        checkpoint_lsn = store._state.checkpoint_lsn
+        checkpoint_lsn = store.internals.state.checkpoint_lsn
         wal_findings = _wal_findings(root, store.superblock.store_uuid, checkpoint_lsn)
         if wal_findings and run.live_writer and store.internals.view_moved():
             # The writer checkpointed since the view and deleted the WAL files the
@@ -1004,8 +1004,8 @@ def _wal_findings(root: Path, store_uuid: bytes, checkpoint_lsn: int) -> list[Fi
 
 def _check_retains(run: _Run) -> None:
     store = run.store
-    with store._state.lock:
-        retained = sorted(store._state.retains)
+    with store.internals.state.lock:
+        retained = sorted(store.internals.state.retains)
     for key in retained:
         try:
             live = store.internals.entry(key) is not None

@@ -63,6 +63,7 @@ from kvstore.log.segments import (
 from kvstore.log.wal import WalWriter, list_wal_files
 from kvstore.space.checkpoint import Checkpointer
 from kvstore.space.gc import Collector
+from kvstore.space.internals import StoreInternals
 from kvstore.space.policies import POLICIES, make_policy
 from kvstore.space.reads import ReadPath
 from kvstore.space.report import Degraded
@@ -80,6 +81,7 @@ __all__ = [
     "choose_active_segment",
     "create_store",
     "finish_index_swap",
+    "internals_of",
     "open_components",
     "open_view_segment",
     "prepare",
@@ -648,3 +650,32 @@ def start_writing(store: KVStore, recovered: Recovered) -> None:
     store._journal.wal = WalWriter(store.root, store.superblock.store_uuid, first_lsn, prev)
     store._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
     store._recorder.start_session()  # counting for stats() starts once open
+
+
+def internals_of(store: KVStore) -> StoreInternals:
+    """``KVStore.internals``: the typed view fsck and the test harnesses use."""
+
+    def abandon() -> None:
+        store._release_resources()
+        store._closed = True
+
+    return StoreInternals(
+        state=store._state,
+        env=store._env,
+        engine=store._engine,
+        buffers=store._buffers,
+        reader=store._reader,
+        writer=store._writer,
+        journal=store._journal,
+        segment_set=store._segment_set,
+        collector=store._collector,
+        checkpoint_lock=store._checkpointer.lock,
+        degraded=store._degraded,
+        flusher=store._flusher,
+        readonly=store.readonly,
+        closed=store._closed,
+        writer_lock_held=store._lock_fd >= 0,
+        check_open=store._check_open,
+        view_moved=lambda: view_moved(store),
+        abandon=abandon,
+    )

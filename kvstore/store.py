@@ -768,15 +768,7 @@ class KVStore:
     def internals(self) -> StoreInternals:
         """Typed access to internal state for fsck and the test harnesses (what they
         read through private attributes before). Not a stable API."""
-        return StoreInternals(
-            self._state,
-            self._env,
-            self._reader,
-            self._collector.lock,
-            self._checkpointer.lock,
-            readonly=self.readonly,
-            view_moved=lambda: lifecycle.view_moved(self),
-        )
+        return lifecycle.internals_of(self)
 
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writer"

@@ -60,7 +60,7 @@ def measure(root: Path, keys: list[bytes], samples: int, seed: int) -> dict[str,
     fds: dict[int, int] = {}
     untouched = memoryview(mmap.mmap(-1, 512 * KIB))
     consumed = memoryview(mmap.mmap(-1, 512 * KIB))
-    polled_ns = store._reader.poll_ns  # the A/B switch of this diagnostic
+    polled_ns = store.internals.reader.poll_ns  # the A/B switch of this diagnostic
     times: dict[str, list[float]] = {
         "read, untouched buffer": [],
         "read, consumed buffer": [],
@@ -90,7 +90,7 @@ def measure(root: Path, keys: list[bytes], samples: int, seed: int) -> dict[str,
                     xxhash.xxh3_64_intdigest(buffer[4 * KIB : span])
                     bytes(buffer[4 * KIB : span])
             else:
-                store._reader.poll_ns = polled_ns if variant == "get, polled" else 0
+                store.internals.reader.poll_ns = polled_ns if variant == "get, polled" else 0
                 t0 = time.perf_counter_ns()
                 value = store.get(key)
                 elapsed = time.perf_counter_ns() - t0

@@ -259,10 +259,15 @@ def _one(
                 for call, rel in injector.failed[:1]:
                     where = f"{call} {rel.split('/')[0]}"
                     result.swallowed_calls[where] = result.swallowed_calls.get(where, 0) + 1
-            if store is not None and store._closed and store._lock_fd >= 0:
+            inside = store.internals if store is not None else None
+            if inside is not None and inside.closed and inside.writer_lock_held:
                 result.violations.append(f"N={fail_at}: close left the writer lock held")
-                store._release_resources()
-            if isinstance(raised, WriterFailedError) and store is not None and not store._closed:
+                inside.abandon()
+            if (
+                isinstance(raised, WriterFailedError)
+                and store is not None
+                and not store.internals.closed
+            ):
                 try:
                     store.put(b"after-failure", b"x", sync=True)
                     result.violations.append(f"N={fail_at}: writer kept writing after {raised}")
@@ -284,7 +289,7 @@ def _one(
                     )
                     # Let the loop go on: finish releasing what close left held.
                     injector.armed = False
-                    store._release_resources()
+                    store.internals.abandon()
                 injector.armed = False
         if raised is None and acknowledges:
             acked.update(pending)

@@ -209,18 +209,19 @@ def _serve_one(store: KVStore, op: str, args: dict[str, Any]) -> dict[str, Any]:
 def _stop_spares(store: KVStore) -> None:
     """Drop the prepared spare and keep the prepare thread from making another:
     the next segment GC frees then becomes the spare (its file reused)."""
-    claim = store._segment_set.claim_spare_locked
+    segment_set = store.internals.segment_set
+    claim = segment_set.claim_spare_locked
 
     def claim_unless_preparing() -> tuple[int, int] | None:
         if threading.current_thread().name == "kvstore-prepare":
             return None
         return claim()
 
-    store._segment_set.claim_spare_locked = claim_unless_preparing  # type: ignore[method-assign]
-    with store._state.cond:
-        while store._state.preparing:
-            store._state.cond.wait()
-        spare, store._state.spare = store._state.spare, None
+    segment_set.claim_spare_locked = claim_unless_preparing  # type: ignore[method-assign]
+    with store.internals.state.cond:
+        while store.internals.state.preparing:
+            store.internals.state.cond.wait()
+        spare, store.internals.state.spare = store.internals.state.spare, None
     if spare is not None:
         spare.close()
         spare.path.unlink()

@@ -160,9 +160,13 @@ class SpaceMachine(RuleBasedStateMachine):
         event("StoreFullError")
         if self.options["gc_interval_s"]:
             return  # the background thread reshapes segments meanwhile: not checkable
-        with store._state.lock:
-            pinned_segments = set(store._state.segment_pins)
-            active = store._state.active.segment_id if store._state.active is not None else None
+        with store.internals.state.lock:
+            pinned_segments = set(store.internals.state.segment_pins)
+            active = (
+                store.internals.state.active.segment_id
+                if store.internals.state.active is not None
+                else None
+            )
         states = store.segment_states()
         movable = {
             segment_id: state
@@ -366,9 +370,13 @@ class SpaceMachine(RuleBasedStateMachine):
         self.kv.gc()
         self.kv.gc()
         store = self.kv
-        with store._state.lock:
-            pinned_segments = set(store._state.segment_pins)
-            active = store._state.active.segment_id if store._state.active is not None else None
+        with store.internals.state.lock:
+            pinned_segments = set(store.internals.state.segment_pins)
+            active = (
+                store.internals.state.active.segment_id
+                if store.internals.state.active is not None
+                else None
+            )
         empty = [
             segment_id
             for segment_id, state in store.segment_states().items()

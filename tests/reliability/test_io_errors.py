@@ -185,7 +185,7 @@ def test_close_releases_the_writer_lock_when_cleanup_fails(tmp_path: Path) -> No
         try:
             reopened = KVStore.open(path, **RECORD_OPTIONS)  # LockedError while the bug stands
         finally:
-            store._release_resources()  # don't leak the lock into other tests
+            store.internals.abandon()  # don't leak the lock into other tests
         reopened.close()
 
 

@@ -177,9 +177,9 @@ def test_corrupt_page_table_value_in_lmdb(open_store: OpenStore, built: Path) ->
 
 def test_accounting_drift_is_found_and_fixed(open_store: OpenStore, built: Path) -> None:
     store = open_store(create=False)
-    segment_id = max(store._state.segment_states)
-    store._state.segment_states[segment_id].live_bytes += BLOCK_BYTES
-    store._state.segment_states[segment_id].live_pages -= 1
+    segment_id = max(store.internals.state.segment_states)
+    store.internals.state.segment_states[segment_id].live_bytes += BLOCK_BYTES
+    store.internals.state.segment_states[segment_id].live_pages -= 1
     [finding] = check_store(store)
     assert (finding.kind, finding.segment_id, finding.repaired) == (
         "accounting",

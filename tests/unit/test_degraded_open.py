@@ -88,8 +88,7 @@ def build(path: Path, *, crash_wal: bool = True) -> Oracle:
         store.flush()
     finally:
         if crash_wal:
-            store._release_resources()  # a crash: no checkpoint, the WAL keeps the rest
-            store._closed = True
+            store.internals.abandon()  # a crash: no checkpoint, the WAL keeps the rest
         else:
             store.close()
     return oracle
@@ -309,8 +308,7 @@ def test_a_damaged_value_the_wal_replays_over_is_absent_not_a_refusal(
     store.checkpoint()
     store.put("victim-key", b"new" * 1000)  # only the WAL has it
     store.flush()
-    store._release_resources()
-    store._closed = True
+    store.internals.abandon()
     data = (store_path / INDEX_DIR / "data.mdb").read_bytes()
     at = data.index(b"victim-key") + len(b"victim-key") + 5  # inside its LMDB value
     flip(store_path / INDEX_DIR / "data.mdb", at)
@@ -393,8 +391,7 @@ def _crash_after_delete(path: Path) -> None:
     store.delete("k1")
     store.put("b", b"b" * 5000)
     store.flush()
-    store._release_resources()
-    store._closed = True
+    store.internals.abandon()
 
 
 def _delete_record(path: Path) -> tuple[Path, int, int]:

@@ -76,10 +76,10 @@ def test_interrupted_polled_get_leaves_the_next_reads_correct(
     monkeypatch.setattr(UringQueue, "wait", interrupted_once)
     for interrupts in (1, 2):  # the settling wait succeeds; then it is interrupted too
         calls = 0
-        free_before = sum(len(free) for free in store._buffers._free.values())
+        free_before = sum(len(free) for free in store.internals.buffers._free.values())
         with pytest.raises(KeyboardInterrupt):
             store.get(b"a")
-        free_after = sum(len(free) for free in store._buffers._free.values())
+        free_after = sum(len(free) for free in store.internals.buffers._free.values())
         # Settled: the buffer went back to the pool. Abandoned: it never does.
         assert free_after == free_before - (interrupts - 1)
         for _ in range(5):

@@ -169,7 +169,7 @@ def capacity_store(open_store: OpenStore, policy: str = "fifo") -> KVStore:
 
 def record_evictions(store: KVStore) -> list[bytes]:
     order: list[bytes] = []
-    policy = store._state.policy
+    policy = store.internals.state.policy
     original = policy.on_delete
 
     def spy(evicted: bytes) -> None:
@@ -337,7 +337,7 @@ def test_mark_and_sweep_reports_and_fixes_drift(open_store: OpenStore) -> None:
     for index in range(6):
         store.put(key(index), value(index))
     segment_id = store.info(key(0)).segment_id  # type: ignore[union-attr]
-    store._state.segment_states[segment_id].live_bytes += 12345
+    store.internals.state.segment_states[segment_id].live_bytes += 12345
     report = store.gc(full=True)
     assert report.drift_segments == 1
     assert report.drift_bytes == 12345
@@ -352,13 +352,13 @@ def test_overwrite_during_move_wins(open_store: OpenStore) -> None:
     store.put(key(4), value(4))  # rolls segment 1 into sealed state
     for index in (1, 2, 3):
         store.delete(key(index))
-    original_move = store._collector._move
+    original_move = store.internals.collector._move
 
     def move_racing_an_overwrite(*args, **kwargs):  # type: ignore[no-untyped-def]
         store.put(key(0), value(0, version=1))
         return original_move(*args, **kwargs)
 
-    store._collector._move = move_racing_an_overwrite  # type: ignore[method-assign]
+    store.internals.collector._move = move_racing_an_overwrite  # type: ignore[method-assign]
     store.gc()
     assert store.get(key(0)) == value(0, version=1)
     store.close()
@@ -447,18 +447,18 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))
-    old = store._state.table.get(key(0))
+    old = store.internals.state.table.get(key(0))
     assert old is not None
-    original = store._writer._complete
+    original = store.internals.writer._complete
 
     def evict_old_version_first(*args, **kwargs):  # type: ignore[no-untyped-def]
-        assert store._collector._evict_entry(key(0), old, GCTally())
+        assert store.internals.collector._evict_entry(key(0), old, GCTally())
         return original(*args, **kwargs)
 
-    store._writer._complete = evict_old_version_first  # type: ignore[method-assign]
+    store.internals.writer._complete = evict_old_version_first  # type: ignore[method-assign]
     assert store.put(key(0), value(0, version=1), sync=True)
     assert store.get(key(0)) == value(0, version=1)
-    store._writer._complete = original  # type: ignore[method-assign]
+    store.internals.writer._complete = original  # type: ignore[method-assign]
     store.close()
     reopened = open_store(gc_interval_s=0)
     assert reopened.get(key(0)) == value(0, version=1)
@@ -475,25 +475,25 @@ def test_a_put_waiting_for_the_spare_still_respects_a_checkpoint_freeze(
         store.put(key(index), value(index))
     # The real prepare thread must not finish a spare under the test (a race on a
     # loaded machine): make no more, wait out one in progress, set aside one made.
-    store._segment_set.claim_spare_locked = lambda: None  # type: ignore[method-assign]
+    store.internals.segment_set.claim_spare_locked = lambda: None  # type: ignore[method-assign]
     deadline = time.monotonic() + 10
-    while store._state.preparing and time.monotonic() < deadline:
+    while store.internals.state.preparing and time.monotonic() < deadline:
         time.sleep(0.01)
-    with store._state.cond:
-        made, store._state.spare = store._state.spare, None
-        store._state.preparing = True  # a spare is "being made"
+    with store.internals.state.cond:
+        made, store.internals.state.spare = store.internals.state.spare, None
+        store.internals.state.preparing = True  # a spare is "being made"
     writer = threading.Thread(target=store.put, args=(key(4), value(4)))
     writer.start()
     time.sleep(0.2)  # the put now waits for the spare
-    with store._state.cond:
-        store._state.freezing += 1  # a checkpoint freezes meanwhile
-        store._state.preparing = False
-        store._state.cond.notify_all()
+    with store.internals.state.cond:
+        store.internals.state.freezing += 1  # a checkpoint freezes meanwhile
+        store.internals.state.preparing = False
+        store.internals.state.cond.notify_all()
     time.sleep(0.2)
     assert writer.is_alive(), "the put went ahead during a freeze"
-    with store._state.cond:
-        store._state.freezing -= 1
-        store._state.cond.notify_all()
+    with store.internals.state.cond:
+        store.internals.state.freezing -= 1
+        store.internals.state.cond.notify_all()
     writer.join(5)
     assert not writer.is_alive()
     assert store.get(key(4)) == value(4)
@@ -507,13 +507,13 @@ def test_a_failed_checkpoint_commit_keeps_the_overlay(open_store: OpenStore) -> 
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))
-    original = store._state.table.commit_frozen
+    original = store.internals.state.table.commit_frozen
 
     def fail_once(*args, **kwargs):  # type: ignore[no-untyped-def]
-        store._state.table.commit_frozen = original  # type: ignore[method-assign]
+        store.internals.state.table.commit_frozen = original  # type: ignore[method-assign]
         raise IOFailure("LMDB write failed", 28)
 
-    store._state.table.commit_frozen = fail_once  # type: ignore[method-assign]
+    store.internals.state.table.commit_frozen = fail_once  # type: ignore[method-assign]
     with pytest.raises(IOFailure):
         store.checkpoint()
     assert store.get(key(0)) == value(0)
@@ -534,7 +534,7 @@ def test_freeing_a_segment_syncs_its_data_before_the_wal_names_it(
         store.put(key(index), value(index))
     first = store.info(key(0))
     assert first is not None
-    segment = store._state.segments[first.segment_id]
+    segment = store.internals.state.segments[first.segment_id]
     for index in range(4):  # overwrite into segment 2: segment 1 is now empty
         store.put(key(index), value(index, version=1))
     events: list[str] = []
@@ -544,14 +544,14 @@ def test_freeing_a_segment_syncs_its_data_before_the_wal_names_it(
         events.append("sync-old" if fd == segment.fd else "sync")
         real_fdatasync(fd)
 
-    real_append = store._journal.wal.append  # type: ignore[union-attr]
+    real_append = store.internals.journal.wal.append  # type: ignore[union-attr]
 
     def spy_append(data: bytes) -> None:
         events.append("wal")
         real_append(data)
 
     monkeypatch.setattr(os, "fdatasync", spy_fdatasync)
-    monkeypatch.setattr(store._journal.wal, "append", spy_append)
+    monkeypatch.setattr(store.internals.journal.wal, "append", spy_append)
     report = store.gc()
     assert report.segments_freed == 1
     assert "sync-old" in events and "wal" in events

@@ -537,7 +537,7 @@ def test_failed_put_does_not_wedge_close(open_store: OpenStore, monkeypatch: Any
     def no_memory(size: int) -> object:
         raise MemoryError("injected: no buffer")
 
-    monkeypatch.setattr(store._buffers, "acquire", no_memory)
+    monkeypatch.setattr(store.internals.buffers, "acquire", no_memory)
     with pytest.raises(MemoryError):
         store.put("failed", b"x")
     monkeypatch.undo()
@@ -904,8 +904,8 @@ def test_an_entry_naming_a_missing_segment_is_corruption_not_a_hang(store: KVSto
     store.put_many([("good", b"g" * 100), ("bad", b"b" * 100)])
     entry = store.internals.entry(b"bad")
     assert entry is not None
-    with store._state.lock:
-        store._state.table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
+    with store.internals.state.lock:
+        store.internals.state.table.active[b"bad"] = dataclasses.replace(entry, segment_id=999_999)
     result: list[object] = []
 
     def read() -> None:

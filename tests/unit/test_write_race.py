@@ -50,13 +50,14 @@ def reopen(path: Path) -> KVStore:
 
 
 class CommitBeforePublish:
-    """Stands in for ``store._state.lock``. The first time ``SegmentWriter._complete`` takes it on
-    the writer thread, a group commit runs to completion on another thread first:
+    """Stands in for ``store.internals.state.lock``. The first time
+    ``SegmentWriter._complete`` takes it on the writer thread, a group commit runs to
+    completion on another thread first:
     the moment between reaping a write's completion and publishing its page."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self.real = store._state.lock
+        self.real = store.internals.state.lock
         self.writer = threading.get_ident()
         self.armed = True
         self.commits = 0
@@ -89,11 +90,11 @@ class CommitBeforePublish:
 
 def put_with_a_commit_before_publish(store: KVStore, key: str, value: bytes) -> None:
     hook = CommitBeforePublish(store)
-    store._state.lock = hook  # type: ignore[assignment]
+    store.internals.state.lock = hook  # type: ignore[assignment]
     try:
         store.put(key, value)
     finally:
-        store._state.lock = hook.real
+        store.internals.state.lock = hook.real
     assert hook.commits == 1, "the hook never ran: SegmentWriter._complete changed?"
 
 
@@ -127,11 +128,11 @@ def test_a_sync_put_after_the_race_is_durable_too(open_store: OpenStore, tmp_pat
     """put_many(sync=True): its own flush() must cover the page it just published."""
     store = open_store(flush_interval_ms=10_000)
     hook = CommitBeforePublish(store)
-    store._state.lock = hook  # type: ignore[assignment]
+    store.internals.state.lock = hook  # type: ignore[assignment]
     try:
         store.put_many([("a", page("a")), ("b", page("b"))], sync=True)
     finally:
-        store._state.lock = hook.real
+        store.internals.state.lock = hook.real
     assert hook.commits == 1
     with reopen(crash_image(store, tmp_path / "crash")) as copy:
         assert copy.get_many(["a", "b"]) == [page("a"), page("b")]
@@ -223,7 +224,7 @@ def test_a_commit_interrupted_in_the_wal_append_stops_the_writer(
 ) -> None:
     store = open_store(flush_interval_ms=10_000)
     store.put("a", page("a"))
-    wal = store._journal.wal
+    wal = store.internals.journal.wal
     assert wal is not None
 
     def interrupted(data: bytes) -> None:
@@ -244,7 +245,7 @@ def test_a_commit_interrupted_in_the_wal_append_stops_the_writer(
 
 def _wait_for_failure(store: KVStore, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while store._state.failed is None and time.monotonic() < deadline:
+    while store.internals.state.failed is None and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
@@ -259,9 +260,10 @@ def test_an_unexpected_error_in_the_flusher_stops_the_writer_with_the_reason(
     monkeypatch.setattr(store, "flush", broken)
     store.put("a", page("a"))  # pending: the flusher calls flush()
     _wait_for_failure(store)
-    assert store._flusher is not None
-    store._flusher.join(5)
-    assert not store._flusher.is_alive()
+    flusher = store.internals.flusher
+    assert flusher is not None
+    flusher.join(5)
+    assert not flusher.is_alive()
     with pytest.raises(WriterFailedError, match=r"kvstore-flush.*RuntimeError.*a bug"):
         store.put("b", page("b"))
 
