@@ -73,7 +73,7 @@ from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
 from kvstore.telemetry.wear import WearReport
-from kvstore.types import GCReport, Key, Meta, PageInfo, StoreStats
+from kvstore.types import GCReport, HeldExtent, Key, Meta, PageInfo, StoreStats
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -596,6 +596,15 @@ class KVStore:
                 segment_pins[segment_id] -= 1
                 if not segment_pins[segment_id]:
                     del segment_pins[segment_id]
+
+    @contextmanager
+    def held_extents(self, keys: Iterable[Key]) -> Iterator[list[HeldExtent | None]]:
+        """Where each page's payload is on disk, verified and held for the block
+        (None: absent), for readers outside the store (the GDS path): the bytes stay
+        the page's even if it is overwritten, deleted or moved meanwhile."""
+        self._check_open()
+        with self._reads.held_extents(list(keys)) as extents:
+            yield extents
 
     @contextmanager
     def pinned(self, keys: Iterable[Key]) -> Iterator[list[bool]]:

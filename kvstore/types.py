@@ -32,6 +32,29 @@ class PageInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldExtent:
+    """A page's payload on disk, verified and held (``KVStore.held_extents``): while the
+    ``with`` block runs, the segment file at ``path`` is neither freed nor reused, so
+    ``length`` bytes at ``offset`` stay this page's payload even if the key is
+    overwritten or deleted meanwhile. ``offset`` and ``length`` are 4 KiB aligned
+    whenever the page is a whole number of 4 KiB blocks (O_DIRECT, cuFile)."""
+
+    key: bytes
+    path: str
+    offset: int  # of the payload (the record header block is before it)
+    length: int
+    checksum: int  # xxh3-64 of the payload
+    meta: Mapping[str, MetaValue]
+    segment_id: int
+
+    def matches(self, payload: bytes | memoryview) -> bool:
+        """Whether ``payload`` (read from this extent) is the page's bytes (xxh3-64)."""
+        from kvstore.format.checksum import checksum
+
+        return checksum(payload) == self.checksum
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     """A snapshot of the store's state; returned by ``KVStore.stats``."""
 

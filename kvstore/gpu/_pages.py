@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvstore.config import StoreConfig
-from kvstore.types import Key, Meta, PageInfo
+from kvstore.types import HeldExtent, Key, Meta, PageInfo
 
 __all__ = ["Page", "PageStore", "PipelineCounters"]
 
@@ -36,6 +36,10 @@ class PageStore(Protocol):
     def flush(self) -> None: ...
 
     def pinned(self, keys: Iterable[Key]) -> AbstractContextManager[list[bool]]: ...
+
+    def held_extents(
+        self, keys: Iterable[Key]
+    ) -> AbstractContextManager[list[HeldExtent | None]]: ...
 
 
 @dataclass(slots=True)

@@ -1,13 +1,12 @@
 """The GPUDirect Storage backend (loads only): NVMe -> HBM through kvikio/cuFile.
 
-Per page, with the batch's pages pinned in the store (so GC cannot move or
-free them while the device reads them):
+Per batch, inside ``KVStore.held_extents(keys)``:
 
-1. ``info(key)`` gives the segment and the record's offset. The 4 KiB record
-   header is read on the host and checked against the index entry (key,
-   segment, offset, generation, LSN, length, payload checksum): the location
-   really holds this page.
-2. ``CuFile.pread`` reads ``payload_bytes`` from ``offset + 4096`` (4 KiB
+1. The store looks each page up, holds its segment (GC neither frees nor reuses
+   the file until the block ends, so a page overwritten meanwhile still reads as
+   its old, whole bytes) and checks the record's header against the index entry;
+   it hands out the payload's extent (path, offset, length, checksum, meta).
+2. ``CuFile.pread`` reads ``length`` bytes at the extent's offset (4 KiB
    aligned, as O_DIRECT and cuFile want) straight into the destination tensor.
    All pages of a batch are issued before any is awaited; kvikio splits them
    over its thread pool.
@@ -32,17 +31,12 @@ Python API (``CuFile``, ``IOFuture``, ``kvikio.defaults``) and has never run;
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
 from kvstore.errors import CorruptionError
-from kvstore.format.checksum import checksum
-from kvstore.format.constants import BLOCK_BYTES
-from kvstore.format.names import segment_path
-from kvstore.format.records import decode_record_header, record_mismatches
 from kvstore.gpu._pages import Page, PageStore, PipelineCounters
 from kvstore.gpu._tensors import META_DEVICE_CHECKSUM, byte_view, cuda_event, device_checksum
 from kvstore.gpu.errors import (
@@ -52,7 +46,7 @@ from kvstore.gpu.errors import (
     TransferTimeoutError,
 )
 from kvstore.gpu.transfer import Transfer
-from kvstore.types import PageInfo
+from kvstore.types import HeldExtent
 
 __all__ = ["GDSBackend", "import_kvikio"]
 
@@ -135,68 +129,39 @@ class GDSBackend:
     def close(self) -> None:
         pass
 
-    def _check_header(self, fd: int, page: Page, info: PageInfo) -> None:
-        block = os.pread(fd, BLOCK_BYTES, info.offset)
-        where = f"page {page.key!r} in segment {info.segment_id} at offset {info.offset}"
-        try:
-            header = decode_record_header(block, max_page_bytes=self.store.config.max_page_bytes)
-        except Exception as e:
-            raise TransferError(f"{where}: {e}") from e
-        mismatched = record_mismatches(
-            header,
-            page.key,
-            segment_id=info.segment_id,
-            offset=info.offset,
-            generation=info.generation,
-            lsn=info.lsn,
-            payload_bytes=info.payload_bytes,
-            payload_checksum=info.checksum,
-            meta=None,  # PageInfo holds the decoded meta; the checksum covers the rest
-        )
-        if mismatched:
-            raise TransferError(
-                f"{where}: the record there is not this page ({', '.join(mismatched)})"
-            )
-
     def load(self, pages: list[Page], transfer: Transfer, caller_event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(caller_event)
         torch.cuda.current_stream(self.device).synchronize()  # cuFile writes outside streams
         keys = [page.key for page in pages]
-        with self.store.pinned(keys) as present:
-            for page, ok in zip(pages, present, strict=True):
-                if not ok:
+        with self.store.held_extents(keys) as held:
+            extents: list[HeldExtent] = []
+            for page, extent in zip(pages, held, strict=True):
+                if extent is None:
                     raise PageMissingError(f"page {page.key!r} is not in the store")
-            infos: list[PageInfo] = []
-            for page in pages:
-                info = self.store.info(page.key)
-                if info is None:
-                    raise PageMissingError(f"page {page.key!r} is not in the store")
-                if info.payload_bytes != page.nbytes:
+                if extent.length != page.nbytes:
                     raise TransferError(f"page {page.key!r} changed before the load")
-                infos.append(info)
-            self._read_all(pages, infos)
-        self._verify_all(pages, infos)
+                extents.append(extent)
+            self._read_all(pages, extents)
+        self._verify_all(pages, extents)
         done = cuda_event()
         done.record(torch.cuda.current_stream(self.device))
         transfer._set_issued(done)
 
-    def _read_all(self, pages: list[Page], infos: list[PageInfo]) -> None:
+    def _read_all(self, pages: list[Page], extents: list[HeldExtent]) -> None:
         files: dict[int, Any] = {}
-        host_fds: dict[int, int] = {}
         futures: list[tuple[Page, Any]] = []
         try:
-            for page, info in zip(pages, infos, strict=True):
-                path = segment_path(self.store.root, info.segment_id)
-                if info.segment_id not in files:
-                    host_fds[info.segment_id] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            for page, extent in zip(pages, extents, strict=True):
+                if extent.segment_id not in files:
                     try:
-                        files[info.segment_id] = self.kvikio.CuFile(path, "r")
+                        files[extent.segment_id] = self.kvikio.CuFile(extent.path, "r")
                     except Exception as e:
-                        raise GDSUnavailableError(f"cuFile could not open {path}: {e}") from e
-                self._check_header(host_fds[info.segment_id], page, info)
+                        raise GDSUnavailableError(
+                            f"cuFile could not open {extent.path}: {e}"
+                        ) from e
                 try:
-                    future = files[info.segment_id].pread(
-                        byte_view(page.tensor), page.nbytes, info.offset + BLOCK_BYTES
+                    future = files[extent.segment_id].pread(
+                        byte_view(page.tensor), page.nbytes, extent.offset
                     )
                 except Exception as e:
                     raise GDSUnavailableError(f"cuFile read of {page.key!r} failed: {e}") from e
@@ -221,20 +186,18 @@ class GDSBackend:
             # A timed-out read may still write into its destination: the error says so.
             for handle in files.values():
                 handle.close()
-            for fd in host_fds.values():
-                os.close(fd)
 
-    def _verify_all(self, pages: list[Page], infos: list[PageInfo]) -> None:
-        for page, info in zip(pages, infos, strict=True):
-            expected = info.meta.get(META_DEVICE_CHECKSUM)
+    def _verify_all(self, pages: list[Page], extents: list[HeldExtent]) -> None:
+        for page, extent in zip(pages, extents, strict=True):
+            expected = extent.meta.get(META_DEVICE_CHECKSUM)
             data = byte_view(page.tensor)
             if isinstance(expected, str):
                 ok = device_checksum(data) == expected
             else:
-                ok = checksum(data.cpu().numpy().tobytes()) == info.checksum
+                ok = extent.matches(data.cpu().numpy().tobytes())
             if not ok:
                 raise CorruptionError(
-                    f"page {page.key!r} in segment {info.segment_id} at offset {info.offset}: "
+                    f"page {page.key!r} at {extent.path}:{extent.offset}: "
                     "checksum mismatch after the GDS read (the destination holds bad bytes)"
                 )
             with self.counters.lock:

@@ -31,7 +31,14 @@ from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue, run_all
 from kvstore.log.segments import Segment, read_segment_header
 
-__all__ = ["SegmentReader", "Wanted", "direct_target", "record_views", "verify_record"]
+__all__ = [
+    "SegmentReader",
+    "Wanted",
+    "check_header",
+    "direct_target",
+    "record_views",
+    "verify_record",
+]
 
 
 def verify_record(
@@ -76,20 +83,28 @@ def verify_record(
         if checksum(payload) != entry.payload_checksum:
             raise CorruptionError(f"{where()}: payload checksum mismatch")
         return payload
-    try:
-        header = decode_record_header(view, max_page_bytes=max_page_bytes)
-    except CorruptionError as e:
-        raise CorruptionError(f"{where()}: {e}") from None
-    mismatched = entry_mismatches(header, key, entry)
-    if mismatched:
-        raise CorruptionError(
-            f"{where()}: the record there is not this page ({', '.join(mismatched)}; "
-            f"it says key {header.key!r}, segment {header.segment_id}, offset "
-            f"{header.offset}, lsn {header.lsn})"
-        )
+    check_header(key, entry, view, max_page_bytes=max_page_bytes, where=where())
     if checksum(payload) != entry.payload_checksum:
         raise CorruptionError(f"{where()}: payload checksum mismatch")
     return payload
+
+
+def check_header(
+    key: bytes, entry: PageEntry, block: memoryview, *, max_page_bytes: int, where: str
+) -> None:
+    """Decode a record's header block and check it against ``entry`` field by field;
+    CorruptionError naming every field that differs (``where``: the page's location)."""
+    try:
+        header = decode_record_header(block, max_page_bytes=max_page_bytes)
+    except CorruptionError as e:
+        raise CorruptionError(f"{where}: {e}") from None
+    mismatched = entry_mismatches(header, key, entry)
+    if mismatched:
+        raise CorruptionError(
+            f"{where}: the record there is not this page ({', '.join(mismatched)}; "
+            f"it says key {header.key!r}, segment {header.segment_id}, offset "
+            f"{header.offset}, lsn {header.lsn})"
+        )
 
 
 def direct_target(entry: PageEntry, target: memoryview) -> memoryview | None:
@@ -206,6 +221,25 @@ class SegmentReader:
                 entry.generation,
             )
         return False
+
+    def verify_header(self, key: bytes, entry: PageEntry) -> Segment:
+        """Read the header block of a held page's record and check it against
+        ``entry`` (every field but the payload's checksum, which the caller checks
+        on what it reads); the segment it is in. CorruptionError or IOFailure."""
+        segment = self._segment(entry)
+        buffer = self._buffers.acquire(BLOCK_BYTES)
+        try:
+            try:
+                got = os.preadv(segment.fd, [buffer.view[:BLOCK_BYTES]], entry.offset)
+            except OSError as e:
+                raise IOFailure(f"read of page {key!r}'s record header failed", e.errno) from e
+            where = f"page {key!r} in segment {entry.segment_id} at offset {entry.offset}"
+            if got != BLOCK_BYTES:
+                raise CorruptionError(f"{where}: short read of its header ({got} bytes)")
+            check_header(key, entry, buffer.view, max_page_bytes=self._max_page_bytes, where=where)
+            return segment
+        finally:
+            self._buffers.release(buffer)
 
     def _segment(self, entry: PageEntry) -> Segment:
         segment = self._segments.get(entry.segment_id)

@@ -7,16 +7,18 @@ path of ``get`` and ``get_into``: no batch bookkeeping at all."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
+from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import PageEntry
-from kvstore.inputs import check_fits, key_bytes
+from kvstore.inputs import check_fits, decode_meta, key_bytes
 from kvstore.log.segment_reader import SegmentReader, Wanted
 from kvstore.space.protection import hold, unhold
 from kvstore.space.state import StoreState
 from kvstore.telemetry import counters as tc
-from kvstore.types import Key
+from kvstore.types import HeldExtent, Key
 
 __all__ = ["ReadPath"]
 
@@ -131,3 +133,31 @@ class ReadPath:
                     st.policy.on_read(raw)
                 tc.observe(tv, tc.OP_GET, done_ns - started_ns)
         return result
+
+    @contextmanager
+    def held_extents(self, keys: list[Key]) -> Iterator[list[HeldExtent | None]]:
+        """Hold the segments of ``keys``' current pages and verify each record's header;
+        yield where each payload is (None: absent). The holds end with the block."""
+        wanted = [self.entry(key) for key in keys]
+        hold(self._state, wanted)
+        try:
+            extents: list[HeldExtent | None] = []
+            for raw, entry in wanted:
+                if entry is None:
+                    extents.append(None)
+                    continue
+                segment = self._reader.verify_header(raw, entry)
+                extents.append(
+                    HeldExtent(
+                        raw,
+                        str(segment.path),
+                        entry.offset + BLOCK_BYTES,
+                        entry.payload_bytes,
+                        entry.payload_checksum,
+                        decode_meta(entry.meta),
+                        entry.segment_id,
+                    )
+                )
+            yield extents
+        finally:
+            unhold(self._state, wanted)

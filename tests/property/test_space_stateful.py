@@ -75,6 +75,14 @@ def page(key: bytes, version: int, size: int) -> bytes:
     return random.Random(f"{key!r}/{version}").randbytes(size)
 
 
+def _pinned_and_active(store: KVStore) -> tuple[set[int], int | None]:
+    """The segments with pins, and the active segment's id, read under the state lock."""
+    state = store.internals.state
+    with state.lock:
+        active = state.active.segment_id if state.active is not None else None
+        return set(state.segment_pins), active
+
+
 class SpaceMachine(RuleBasedStateMachine):
     """The shared rules; subclasses set ``capacity_bytes``."""
 
@@ -160,13 +168,7 @@ class SpaceMachine(RuleBasedStateMachine):
         event("StoreFullError")
         if self.options["gc_interval_s"]:
             return  # the background thread reshapes segments meanwhile: not checkable
-        with store.internals.state.lock:
-            pinned_segments = set(store.internals.state.segment_pins)
-            active = (
-                store.internals.state.active.segment_id
-                if store.internals.state.active is not None
-                else None
-            )
+        pinned_segments, active = _pinned_and_active(store)
         states = store.segment_states()
         movable = {
             segment_id: state
@@ -370,13 +372,7 @@ class SpaceMachine(RuleBasedStateMachine):
         self.kv.gc()
         self.kv.gc()
         store = self.kv
-        with store.internals.state.lock:
-            pinned_segments = set(store.internals.state.segment_pins)
-            active = (
-                store.internals.state.active.segment_id
-                if store.internals.state.active is not None
-                else None
-            )
+        pinned_segments, active = _pinned_and_active(store)
         empty = [
             segment_id
             for segment_id, state in store.segment_states().items()

@@ -356,6 +356,7 @@ def closed_store_calls(store: KVStore) -> dict[str, Callable[[], object]]:
         "unpin": lambda: store.unpin("k"),
         "unpin_many": lambda: store.unpin_many(["k"]),
         "pinned": lambda: store.pinned(["k"]).__enter__(),
+        "held_extents": lambda: store.held_extents(["k"]).__enter__(),
         "pin_count": lambda: store.pin_count("k"),
         "retain": lambda: store.retain("k"),
         "release": lambda: store.release("k"),

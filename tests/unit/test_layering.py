@@ -43,10 +43,8 @@ SAME_LAYER = {
 IMPORT_EXCEPTIONS = {
     ("kvstore/tiering/sim_cli.py", "cli"): "shares the CLI's console and exit codes",
     ("kvstore/bench/cli.py", "cli"): "shares the CLI's console and exit codes",
-    # issue 17: gds.py reads held, verified extents handed out by the store instead
-    ("kvstore/gpu/gds.py", "format"): "builds segment paths and decodes record headers",
 }
-# gpu/ may not import format/ (issue 17): listed above until it stops.
+# gpu/ may not import format/ (issue 17): it reads held, verified extents from the store.
 FORBIDDEN = {("gpu", "format")}
 
 
