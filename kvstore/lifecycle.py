@@ -601,7 +601,7 @@ def open_components(store: KVStore) -> Recovered:
     store._journal = Journal(
         store._state,
         lease_step=config.lsn_lease_step,
-        check_writable=store._check_writable,
+        check_writable=store._check_writable_locked,
         on_commit=store._recorder.count_commit_locked,
     )
     store._reads = ReadPath(store._state, store._reader)
@@ -619,7 +619,7 @@ def open_components(store: KVStore) -> Recovered:
         io_depth=config.io_depth,
         segment_set=store._segment_set,
         journal=store._journal,
-        check_writable=store._check_writable,
+        check_writable=store._check_writable_locked,
     )
     store._collector = Collector(
         store._state,
@@ -631,7 +631,7 @@ def open_components(store: KVStore) -> Recovered:
         reader=store._reader,
         journal=store._journal,
         writer=store._writer,
-        wait_writable=store._wait_writable,
+        wait_writable=store._wait_writable_locked,
         segment_set=store._segment_set,
     )
     store._writer.make_room = store._collector.make_room

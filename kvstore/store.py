@@ -292,8 +292,8 @@ class KVStore:
         if self._closed:
             raise ClosedError(f"store {self.root} is closed")
 
-    def _check_writable(self) -> None:
-        """Caller holds ``_lock``."""
+    def _check_writable_locked(self) -> None:
+        """Raise unless writes are allowed. Caller holds the state lock."""
         if self._closed:
             raise ClosedError(f"store {self.root} is closed")
         if self.readonly:
@@ -304,14 +304,15 @@ class KVStore:
                 "reopen the store"
             )
 
-    def _wait_writable(self) -> None:
-        """Raise unless writes are allowed; wait out a checkpoint's freeze. Holds ``_cond``."""
-        self._check_writable()
+    def _wait_writable_locked(self) -> None:
+        """Raise unless writes are allowed; wait out a writer barrier. Caller holds the
+        state lock (``cond`` waits on it)."""
+        self._check_writable_locked()
         while self._state.freezing:
             self._state.cond.wait()
-            self._check_writable()
+            self._check_writable_locked()
 
-    # -- LSNs, segments, reservation ---------------------------------------
+    # -- writes --------------------------------------------------------------
 
     def put(self, key: Key, value: object, *, meta: Meta | None = None, sync: bool = False) -> bool:
         """Store ``value`` under ``key``. True when stored.
@@ -368,7 +369,7 @@ class KVStore:
         st = self._state
         raw = key_bytes(key)
         with st.cond:
-            self._wait_writable()
+            self._wait_writable_locked()
             if st.table.get(raw) is None:
                 return False
             if st.next_lsn + 2 >= st.lease_until:
@@ -640,7 +641,7 @@ class KVStore:
         raw = key_bytes(key)
         while True:
             with st.cond:
-                self._wait_writable()
+                self._wait_writable_locked()
                 done = retain_step_locked(st, raw, retained)
             if done is not None:
                 return done

@@ -96,7 +96,7 @@ class Journal:
         self._state = state
         self.wal: WalWriter | None = None  # a writer's open sets it; a read-only one has none
         self._lease_step = lease_step
-        self._check_writable = check_writable
+        self._check_writable_locked = check_writable
         self._on_commit = on_commit
         self.commit_lock = threading.Lock()
 
@@ -106,7 +106,7 @@ class Journal:
         def closed() -> None:
             raise WriterFailedError("the store is closed")
 
-        self._check_writable = closed
+        self._check_writable_locked = closed
         if self.wal is not None:
             self.wal.close()
 
@@ -173,7 +173,7 @@ class Journal:
         st = self._state
         with self.commit_lock:
             with st.lock:
-                self._check_writable()
+                self._check_writable_locked()
                 if st.next_lsn + 2 < st.lease_until:  # the margin reserve uses
                     return
                 lsn = st.take_lsn_locked()

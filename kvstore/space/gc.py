@@ -80,7 +80,7 @@ class Collector:
         self._reader = reader
         self._journal = journal
         self._writer = writer
-        self._wait_writable = wait_writable
+        self._wait_writable_locked = wait_writable
         self._segment_set = segment_set
         self.lock = threading.Lock()  # the GC lock: one pass at a time
         self.last_pass = time.monotonic()
@@ -92,7 +92,7 @@ class Collector:
         def closed(*_: object) -> Any:
             raise ClosedError("the store is closed")
 
-        self._wait_writable = closed
+        self._wait_writable_locked = closed
 
     def run_pass(self, tally: GCTally, *, full: bool = False) -> None:
         """One pass: (with ``full``, mark-and-sweep,) free empty segments, compact
@@ -340,7 +340,7 @@ class Collector:
         """
         st = self._state
         with st.cond:
-            self._wait_writable()
+            self._wait_writable_locked()
             if st.table.get(key) != entry or key in st.pins or key in st.retains:
                 return False
             apply_delete(st.table, st.segment_states, key, entry.lsn)

@@ -96,7 +96,7 @@ class SegmentWriter:
         self._io_depth = io_depth
         self._segment_set = segment_set
         self._journal = journal
-        self._check_writable = check_writable  # under the state lock; the store's own check
+        self._check_writable_locked = check_writable  # under the state lock; the store's own check
         # Evict until a new segment fits: the collector's make_room (set by the open).
         self.make_room: Callable[[], None] = _no_room
 
@@ -106,7 +106,7 @@ class SegmentWriter:
         def closed() -> None:
             raise WriterFailedError("the store is closed")
 
-        self._check_writable = self.make_room = closed
+        self._check_writable_locked = self.make_room = closed
 
     def reserve(
         self,
@@ -127,12 +127,12 @@ class SegmentWriter:
             must_drain = False
             spare_pending = False
             with st.cond:
-                self._check_writable()
+                self._check_writable_locked()
                 if drain is not None and st.freezing:
                     must_drain = True
                 while st.freezing and not must_drain:
                     st.cond.wait()
-                    self._check_writable()
+                    self._check_writable_locked()
                 needs_lease = st.next_lsn + 2 >= st.lease_until
                 needs_room = False
                 if not needs_lease and not must_drain:

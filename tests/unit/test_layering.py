@@ -211,7 +211,12 @@ def _private_uses_in(text: str, pattern: re.Pattern[str]) -> int:
 
 def _private_pattern() -> re.Pattern[str]:
     names = _private_store_names()
-    assert {"_state", "_env", "_check_writable", "_buffers"} <= names  # the scan found the class
+    assert {
+        "_state",
+        "_env",
+        "_check_writable_locked",
+        "_buffers",
+    } <= names  # the scan found the class
     alternatives = "|".join(sorted(names, key=len, reverse=True))
     return re.compile(rf"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.({alternatives})\b")
 
