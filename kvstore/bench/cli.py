@@ -122,6 +122,13 @@ def _fail(error: BaseException, as_json: bool) -> NoReturn:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Re-print the tables of a saved JSON run and exit.",
 )
+@click.option(
+    "--against-fio",
+    is_flag=True,
+    help="The ratio table of the Done-when targets instead: fio before and after kvstore "
+    "on --dir (durable puts, get_many, get latency); --quick, --json, --out, --io-depth, "
+    "--fio, --settle and --report apply. Every option: python tools/bench.py --help.",
+)
 @click.option("--allow-buffered", is_flag=True, hidden=True)
 def bench(
     bench_dir: Path,
@@ -148,11 +155,25 @@ def bench(
     settle: float,
     quick: bool,
     report_path: Path | None,
+    against_fio: bool,
     allow_buffered: bool,
 ) -> None:
     """Measure kvstore (durable puts, cold gets, mixed, hot paths) and, with --compare,
     fio and the peers' write paths on the same directory; print a table and the
     Done-when targets. See docs/benchmarks.md."""
+    if against_fio:
+        from kvstore.bench import fio_ratios
+
+        argv = ["--dir", str(bench_dir), "--io-depth", str(io_depth), "--settle", str(settle)]
+        argv += ["--quick"] if quick else []
+        argv += ["--json"] if as_json else []
+        argv += ["--out", str(out)] if out is not None else []
+        argv += ["--report", str(report_path)] if report_path is not None else []
+        if fio_path == "none":
+            argv.append("--skip-fio")
+        elif fio_path is not None:
+            argv += ["--fio", fio_path]
+        sys.exit(fio_ratios.main(argv))
     table_console = Console(stderr=as_json, width=170)
     if report_path is not None:
         render(json.loads(report_path.read_text()), table_console)

@@ -148,3 +148,36 @@ def test_json_is_printed_when_the_run_cannot_start(tmp_path: Path) -> None:
     document = json.loads(result.stdout)
     assert document["exit_code"] == 8
     assert document["error"]["type"] == "NotADirectoryError"
+
+
+# -- --against-fio: the ratio table of kvstore/bench/fio_ratios.py (tools/bench.py) --------
+
+RATIO_RUN = Path(__file__).resolve().parents[2] / "docs/img/bench-tools-2026-12-01-engines.json"
+
+
+def test_against_fio_reprints_a_saved_ratio_run() -> None:
+    result = CliRunner().invoke(bench, ["--against-fio", "--report", str(RATIO_RUN)])
+    assert result.exit_code == 0, result.output
+    for label in ("durable put 1 MiB x32 + flush", "get_many 64 x 256 KiB", "get 256 KiB"):
+        assert label in result.output
+
+
+def test_against_fio_passes_the_common_options_and_the_exit_code_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.bench import fio_ratios
+
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3  # a target failed
+
+    monkeypatch.setattr(fio_ratios, "main", fake_main)
+    args = ["--against-fio", "--dir", str(tmp_path), "--quick", "--json", "--fio", "none"]
+    result = CliRunner().invoke(bench, [*args, "--io-depth", "8", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 3
+    (argv,) = seen
+    assert argv[:6] == ["--dir", str(tmp_path), "--io-depth", "8", "--settle", "1.0"]
+    assert {"--quick", "--json", "--skip-fio"} <= set(argv)
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "r")
