@@ -232,7 +232,8 @@ def mount_of(path: Path) -> dict[str, str]:
     return best
 
 
-def _code_version() -> dict[str, object]:
+def code_version() -> dict[str, object]:
+    """Which kvstore is measured: git HEAD, whether kvstore/ is dirty, a hash of its sources."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
@@ -252,6 +253,7 @@ def _code_version() -> dict[str, object]:
 
     return {
         "git_head": git("rev-parse", "--short", "HEAD"),
+        "git_subject": git("log", "-1", "--format=%s"),
         "kvstore_dirty": bool(git("status", "--porcelain", "--", "kvstore")),
         "kvstore_sha256": digest.hexdigest()[:16],
     }
@@ -281,7 +283,7 @@ def machine_info(bench_dir: Path) -> dict[str, object]:
         "mount": mount_of(bench_dir),
         "disk_free_gib": round(usage.free / (1 << 30), 1),
         "loadavg": list(os.getloadavg()),
-        "code": _code_version(),
+        "code": code_version(),
         "io_engine": _engine_in_force(),
         "unix_time": time.time(),
     }

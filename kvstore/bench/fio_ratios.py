@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import hashlib
 import json
 import math
 import os
-import platform
 import random
 import resource
 import shutil
@@ -47,12 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import KVStore
-from kvstore.bench.common import mount_of, read_sysfs
+from kvstore.bench.common import machine_info as common_machine_info
+from kvstore.bench.common import read_sysfs
 from kvstore.bench.fio import PROFILES_DIR  # fio_profiles/ at the repository root
 
 MIB = 1 << 20
 KIB = 1 << 10
-REPO = PROFILES_DIR.parent  # the checkout the kvstore being measured comes from
 FIO_PROFILES = (
     "seq_write_1m",
     "seq_write_256k",
@@ -199,25 +197,6 @@ def _block_device(path: Path) -> dict[str, str]:
     return info
 
 
-def code_version() -> dict[str, Any]:
-    """Which kvstore is measured: git HEAD, whether kvstore/ is dirty, a hash of its sources."""
-    digest = hashlib.sha256()
-    package = REPO / "kvstore"
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-
-    def git(*command: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *command], capture_output=True, text=True)
-        return done.stdout.strip()
-
-    return {
-        "git_head": git("rev-parse", "--short", "HEAD"),
-        "git_subject": git("log", "-1", "--format=%s"),
-        "kvstore_dirty": bool(git("status", "--porcelain", "--", "kvstore")),
-        "kvstore_sha256": digest.hexdigest()[:16],
-    }
-
-
 def pressure() -> dict[str, float]:
     """PSI ``some avg10`` for io and cpu: how much other work was competing just now."""
     found: dict[str, float] = {}
@@ -230,34 +209,18 @@ def pressure() -> dict[str, float]:
 
 
 def machine_info(bench_dir: Path, fio: str) -> dict[str, Any]:
-    meminfo = read_sysfs("/proc/meminfo").splitlines()
-    mem_kib = next((int(line.split()[1]) for line in meminfo if line.startswith("MemTotal")), 0)
-    cpu_model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in read_sysfs("/proc/cpuinfo").splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    fio_version = subprocess.run([fio, "--version"], capture_output=True, text=True).stdout.strip()
+    """``kvstore bench``'s machine facts, with the fio version and the block device."""
     import kvstore
 
-    return {
-        "hostname": platform.node(),
-        "nproc": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "mem_gib": round(mem_kib / (1 << 20), 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "kvstore": kvstore.__version__,
-        "fio": fio_version,
-        "bench_dir": str(bench_dir.resolve()),
-        "mount": mount_of(bench_dir),
-        "block_device": _block_device(bench_dir),
-        "loadavg_start": os.getloadavg(),
-        "code": code_version(),
-    }
+    info: dict[str, Any] = dict(common_machine_info(bench_dir))
+    fio_version = subprocess.run([fio, "--version"], capture_output=True, text=True).stdout.strip()
+    info.update(
+        kvstore=kvstore.__version__,
+        fio=fio_version,
+        block_device=_block_device(bench_dir),
+        loadavg_start=os.getloadavg(),
+    )
+    return info
 
 
 # -- fio -----------------------------------------------------------------------
