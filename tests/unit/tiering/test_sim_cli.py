@@ -26,7 +26,7 @@ from kvstore.tiering.plots import FrontierNote, frontier_notes, pareto_frontier
 from kvstore.tiering.sim_cli import kvstore_verdict, parse_capacity, parse_capacity_bytes
 from kvstore.tiering.trace import generate, load_trace, trace_facts, write_trace
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MOONCAKE_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 REQUESTS = 300
 SEED = 1

@@ -27,7 +27,7 @@ from kvstore.tiering.trace import (
 )
 
 MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / ("mooncake_conversation.jsonl")
+    Path(__file__).resolve().parents[4] / "shared" / "traces" / ("mooncake_conversation.jsonl")
 )
 
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}'

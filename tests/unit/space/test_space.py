@@ -146,7 +146,7 @@ store.release(b"b")
 store.flush()
 os._exit(0)
 """
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3])
     with KVStore.open(store_path) as store:
         assert store.is_retained(b"a")
         assert not store.is_retained(b"b")

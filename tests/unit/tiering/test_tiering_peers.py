@@ -16,7 +16,7 @@ from kvstore.tiering.peers import POLICIES, PeerPolicy, make_peer, replay_peer
 from kvstore.tiering.trace import Request, capacity_blocks, generate, load_trace, trace_facts
 
 MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / ("mooncake_conversation.jsonl")
+    Path(__file__).resolve().parents[4] / "shared" / "traces" / ("mooncake_conversation.jsonl")
 )
 
 ALL_NAMES = {

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.telemetry.prometheus import lint_exposition
 from tests.conftest import OpenStore
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def families(text: str) -> dict[str, object]:
@@ -153,7 +153,7 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
         lambda: SmartReport(True, "nvme-cli", data_written_bytes=10, percentage_used=3),
     )
     from kvstore.tiering.metrics import registry_for as tier_registry_for
-    from tests.unit.test_tiering_metrics import fake_stats
+    from tests.unit.tiering.test_tiering_metrics import fake_stats
 
     exported = set()
     for each in (registry, tier_registry_for(fake_stats)):  # the tier manager's: kvstore-tier

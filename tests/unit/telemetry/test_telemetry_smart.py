@@ -16,7 +16,7 @@ from kvstore.telemetry.smart import (
 )
 from kvstore.telemetry.wear import detect_drive
 
-FIXTURES = Path(__file__).parent / "fixtures" / "smart"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "smart"
 
 
 def fixture(name: str) -> str:

@@ -152,7 +152,7 @@ def test_json_is_printed_when_the_run_cannot_start(tmp_path: Path) -> None:
 
 # -- --against-fio: the ratio table of kvstore/bench/fio_ratios.py (tools/bench.py) --------
 
-RATIO_RUN = Path(__file__).resolve().parents[2] / "docs/img/bench-tools-2026-12-01-engines.json"
+RATIO_RUN = Path(__file__).resolve().parents[3] / "docs/img/bench-tools-2026-12-01-engines.json"
 
 
 def test_against_fio_reprints_a_saved_ratio_run() -> None:

@@ -26,9 +26,9 @@ from kvstore.cli import main
 from kvstore.telemetry.prometheus import lint_exposition
 from kvstore.tiering.statsfile import STATS_FILE
 from tests.conftest import OpenStore
-from tests.unit.test_tiering_metrics import stats_data, write_stats
+from tests.unit.tiering.test_tiering_metrics import stats_data, write_stats
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def run(*args: str) -> Result:

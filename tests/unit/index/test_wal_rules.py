@@ -17,7 +17,7 @@ from kvstore.index.rules import delete_applies, move_applies, put_applies
 from kvstore.index.table import Tombstone
 from kvstore.recover import recover_store
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def page(lsn: int, segment: int = 3, generation: int = 7, offset: int = 4096) -> PageEntry:
