@@ -359,14 +359,18 @@ def choose_active_segment(store: KVStore) -> None:
 
 
 def prepare(
-    root: Path, *, create: bool, readonly: bool, options: dict[str, Any]
+    root: Path,
+    *,
+    create: bool,
+    readonly: bool,
+    capacity_bytes: int | None,
+    segment_bytes: int,
+    max_page_bytes: int | None,
+    options: dict[str, Any],
 ) -> tuple[Path, StoreConfig]:
     """``KVStore.open``'s first step: the config from its options, every option checked
     before anything is created (a refused open leaves no store behind), and the store
     created when asked for and absent."""
-    max_page_bytes = options.pop("max_page_bytes")
-    segment_bytes = options.pop("segment_bytes")
-    capacity_bytes = options.pop("capacity_bytes")
     if max_page_bytes is None:
         max_page_bytes = 16 << 20
         if isinstance(segment_bytes, int):  # else validate() names the bad value

@@ -158,12 +158,10 @@ class KVStore:
             Path(path),
             create=create,
             readonly=readonly,
-            options=dict(
-                options,
-                capacity_bytes=capacity_bytes,
-                segment_bytes=segment_bytes,
-                max_page_bytes=max_page_bytes,
-            ),
+            capacity_bytes=capacity_bytes,
+            segment_bytes=segment_bytes,
+            max_page_bytes=max_page_bytes,
+            options=options,
         )
         return cls(root, config, readonly=readonly)
 
@@ -376,7 +374,7 @@ class KVStore:
                 lease_needed = True
             else:
                 lease_needed = False
-                lsn = self._state.take_lsn_locked()
+                lsn = st.take_lsn_locked()
                 apply_delete(st.table, st.segment_states, raw, lsn)
                 st.pending.append(encode_delete(lsn, raw))
                 st.retains.discard(raw)
@@ -540,11 +538,7 @@ class KVStore:
         self._check_open()
         results = []
         with st.lock:
-            lookup, pins, segment_pins = (
-                st.table.get,
-                st.pins,
-                st.segment_pins,
-            )
+            lookup, pins, segment_pins = st.table.get, st.pins, st.segment_pins
             for raw in raws:
                 entry = lookup(raw)
                 if entry is None:
@@ -729,12 +723,14 @@ class KVStore:
         st = self._state
         self._check_open()
         snapshot = self.telemetry_snapshot()
+        wear = snapshot.wear_report()
         wal = self._journal.wal
         wal_files = len(list_wal_files(self.root))
         with st.lock:
             return store_stats_locked(
                 st,
                 snapshot,
+                wear,
                 self._recorder.session_counters(st.stale_reads),
                 self._degraded.fields(self._env.check_seconds),
                 path=str(self.root),

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.errors import WriterFailedError
+from kvstore.errors import ClosedError, WriterFailedError
 from kvstore.format.wal import encode_lsn_lease
 from kvstore.log.segments import Segment
 from kvstore.log.wal import WalWriter
@@ -104,7 +104,7 @@ class Journal:
         """Drop the store's callback (it refers back to the store) and close the WAL."""
 
         def closed() -> None:
-            raise WriterFailedError("the store is closed")
+            raise ClosedError("the store is closed")
 
         self._check_writable_locked = closed
         if self.wal is not None:

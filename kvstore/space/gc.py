@@ -185,7 +185,7 @@ class Collector:
             del st.segment_states[segment_id]
             st.dropped_segments.append(segment_id)
             st.pending.append(
-                encode_segment_free(self._state.take_lsn_locked(), segment_id, state.generation)
+                encode_segment_free(st.take_lsn_locked(), segment_id, state.generation)
             )
         try:
             if segment.dirty:  # its records may be in this very commit
@@ -419,7 +419,7 @@ class Collector:
             buffer = self._buffers.acquire(span)
         except BaseException:
             with st.lock:
-                self._state.finish_inflight_locked(segment.segment_id)
+                st.finish_inflight_locked(segment.segment_id)
             raise
         try:
             buffer.view[:span] = record
@@ -442,7 +442,7 @@ class Collector:
             )
         except BaseException:
             with st.lock:
-                self._state.finish_inflight_locked(segment.segment_id)
+                st.finish_inflight_locked(segment.segment_id)
             raise
         finally:
             self._buffers.release(buffer)
@@ -450,7 +450,7 @@ class Collector:
             entry, segment_id=segment.segment_id, offset=offset, generation=segment.generation
         )
         with st.lock:
-            self._state.finish_inflight_locked(segment.segment_id)
+            st.finish_inflight_locked(segment.segment_id)
             if result[0] != span:
                 error = WriterFailedError(f"GC write to segment {segment.segment_id} failed")
                 if st.failed is None:

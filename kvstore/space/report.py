@@ -10,6 +10,7 @@ from kvstore.format.constants import BLOCK_BYTES, FORMAT_VERSION
 from kvstore.format.entries import SEGMENT_ACTIVE
 from kvstore.space.state import StoreState
 from kvstore.telemetry import TelemetrySnapshot
+from kvstore.telemetry.wear import WearReport
 from kvstore.types import StoreStats
 
 __all__ = ["Degraded", "gauges_locked", "store_stats_locked"]
@@ -63,6 +64,7 @@ def gauges_locked(st: StoreState, degraded: dict[str, Any]) -> dict[str, float]:
 def store_stats_locked(
     st: StoreState,
     snapshot: TelemetrySnapshot,
+    wear: WearReport,
     counters: dict[str, int],
     degraded: dict[str, Any],
     *,
@@ -75,8 +77,8 @@ def store_stats_locked(
     wal_files: int,
     wal_bytes: int,
 ) -> StoreStats:
-    """``KVStore.stats()``. Caller holds the state lock."""
-    wear = snapshot.wear_report()
+    """``KVStore.stats()``. Caller holds the state lock (``wear`` is the snapshot's
+    report, computed before taking it)."""
     active = st.active.segment_id if st.active is not None else 0
     overlay = len(st.table.active) + len(st.table.frozen or {})
     live = sum(state.live_bytes for state in st.segment_states.values())

@@ -22,7 +22,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvstore.errors import KVStoreError, StoreFullError, WriterFailedError
+from kvstore.errors import ClosedError, KVStoreError, StoreFullError, WriterFailedError
 from kvstore.format.checksum import checksum
 from kvstore.format.constants import BLOCK_BYTES, RECORD_PAGE, record_span
 from kvstore.format.entries import PageEntry
@@ -104,7 +104,7 @@ class SegmentWriter:
         """Drop the callbacks into the store and the collector (they refer back)."""
 
         def closed() -> None:
-            raise WriterFailedError("the store is closed")
+            raise ClosedError("the store is closed")
 
         self._check_writable_locked = self.make_room = closed
 
@@ -138,7 +138,7 @@ class SegmentWriter:
                 if not needs_lease and not must_drain:
                     segment = st.active
                     if segment is None or segment.remaining() < span:
-                        if not self._state.may_roll_locked(for_gc):
+                        if not st.may_roll_locked(for_gc):
                             if for_gc:
                                 raise StoreFullError(
                                     "GC has no free segment to relocate pages into"
@@ -155,7 +155,7 @@ class SegmentWriter:
                         assert segment is not None
                         offset = segment.head
                         segment.head += span
-                        lsn = self._state.take_lsn_locked()
+                        lsn = st.take_lsn_locked()
                         st.inflight += 1
                         st.segment_writers[segment.segment_id] += 1
                         return segment, offset, lsn
