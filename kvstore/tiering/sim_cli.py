@@ -28,6 +28,7 @@ import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -111,7 +112,11 @@ _UNITS = {
 
 def parse_capacity_bytes(text: str) -> tuple[int, int, int]:
     """``"1GiB,16GiB,1TB"`` -> bytes per tier; K/M/G/T and KiB.. are powers of 1024,
-    KB/MB/GB/TB powers of 1000, a bare number is bytes."""
+    KB/MB/GB/TB powers of 1000, a bare number is bytes.
+
+    The product is exact (the number's decimal value, floored), so a size of any
+    length is a size, not a float overflow.
+    """
     parts = _three(text, "--capacity-bytes")
     sizes = []
     for part in parts:
@@ -122,7 +127,7 @@ def parse_capacity_bytes(text: str) -> tuple[int, int, int]:
                 f"--capacity-bytes {text!r}: {part!r} is not a size "
                 "(a number of bytes, or with a unit: KiB MiB GiB TiB, KB MB GB TB)"
             )
-        sizes.append(math.floor(float(match.group(1)) * _UNITS[unit]))
+        sizes.append(math.floor(Fraction(match.group(1)) * _UNITS[unit]))
     return sizes[0], sizes[1], sizes[2]
 
 
@@ -320,7 +325,10 @@ def _failures(as_json: bool) -> Iterator[None]:
 def _exit(error: BaseException, code: int, as_json: bool) -> NoReturn:
     from kvstore.cli import error_json
 
-    Console(stderr=True).print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+    # soft_wrap: one line however long (a path and a hint), for logs and grep
+    Console(stderr=True).print(
+        f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True
+    )
     if as_json:
         sys.stdout.write(json.dumps(error_json(error, code), indent=2) + "\n")
     sys.exit(code)
@@ -333,10 +341,10 @@ def _console(stderr: bool) -> Console:
     return console
 
 
+# TRACE is not dir_okay=False: click would refuse a directory as a usage error (2);
+# reading it fails as the operational error (8) that any unreadable trace is.
 @click.command("sim")
-@click.argument(
-    "trace_path", metavar="[TRACE]", required=False, type=click.Path(dir_okay=False, path_type=Path)
-)
+@click.argument("trace_path", metavar="[TRACE]", required=False, type=click.Path(path_type=Path))
 @click.option(
     "--generate",
     "kind",

@@ -13,6 +13,12 @@ only when the whole prefix up to and including that block is the same, so
 block i's parent is block i-1 of the same request. Fields other than these four
 are ignored; blank lines are skipped.
 
+The file is UTF-8 text (not gzipped) with at least one request. Anything else
+is a ``TraceError`` naming the file and, for a bad line, the line: bytes that
+are not UTF-8, JSON nested too deeply for the parser, a number too long to
+convert, a token count of 2**53 or more (not a count the cost model's floats
+can hold). An error quotes at most a short excerpt of the bad value.
+
 Invariants kept here:
 
 - Timestamps never decrease. Requests are replayed in file order, which must
@@ -36,6 +42,9 @@ import json
 import math
 import os
 import random
+import re
+import reprlib
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -58,6 +67,10 @@ __all__ = [
 
 DEFAULT_BLOCK_TOKENS = 512
 GENERATOR_KINDS = ("system-prompts", "multi-turn", "long-docs", "mixed")
+_MAX_COUNT = 2**53  # token counts: floats hold every integer below it
+# Bytes that are not UTF-8, as the "surrogateescape" error handler decodes them.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+_GZIP_MAGIC = "\x1f\udc8b"  # b"\x1f\x8b" decoded with surrogateescape
 
 
 class TraceError(KVStoreError, ValueError):
@@ -105,23 +118,60 @@ class TraceFacts:
 def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Request]:
     """Read a Mooncake-format JSONL trace; at most ``limit`` requests if given.
 
-    Raises ``TraceError`` naming the file, line and field on the first bad line,
-    and ``OSError`` when the file cannot be read.
+    Raises ``TraceError`` naming the file, line and field on the first bad line
+    (bytes that are not UTF-8 included) or when the file holds no request (unless
+    ``limit`` is 0), and ``OSError`` when the file cannot be read.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     name = os.fspath(path)
     requests: list[Request] = []
     previous_ms = 0.0
-    with open(name, encoding="utf-8") as lines:
+    # surrogateescape: a bad byte is found on its line, not in a read-ahead chunk.
+    with open(name, encoding="utf-8", errors="surrogateescape") as lines:
         for line_number, line in enumerate(lines, start=1):
             if limit is not None and len(requests) >= limit:
                 break
+            if not line.isascii():
+                _check_utf8(name, line_number, line)
             if not line.strip():
                 continue
             request, previous_ms = _parse_line(name, line_number, line, previous_ms)
             requests.append(request)
+    if not requests and limit != 0:
+        raise _trace_error(
+            f"{name}: no requests (the file is empty or blank)",
+            "a trace has one JSON request object per line",
+        )
     return requests
+
+
+def _trace_error(message: str, hint: str) -> TraceError:
+    error = TraceError(message)
+    error.hint = hint
+    return error
+
+
+def _check_utf8(name: str, line_number: int, line: str) -> None:
+    bad = _UNDECODABLE.search(line)
+    if bad is None:
+        return
+    where = f"{name}:{line_number}"
+    if line_number == 1 and line.startswith(_GZIP_MAGIC):
+        raise _trace_error(
+            f"{where}: gzip-compressed, not a JSONL trace",
+            "decompress it: gunzip -k FILE, or read <(zcat FILE)",
+        )
+    byte = ord(bad.group()) - 0xDC00
+    raise _trace_error(
+        f"{where}: not UTF-8 (byte 0x{byte:02x} at column {bad.start() + 1})",
+        "a trace is UTF-8 JSONL; re-encode the file (iconv -t UTF-8)",
+    )
+
+
+def _short(value: object) -> str:
+    """``repr`` cut to a few dozen characters (a bad line may hold megabytes)."""
+    return reprlib.repr(value)
 
 
 def _parse_line(
@@ -132,6 +182,13 @@ def _parse_line(
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+    except RecursionError:
+        raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # int(): more digits than sys.get_int_max_str_digits()
+        raise TraceError(
+            f"{where}: not valid JSON (a number has more than "
+            f"{sys.get_int_max_str_digits()} digits)"
+        ) from e
     if not isinstance(record, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
     timestamp_ms = _number_field(where, record, "timestamp")
@@ -158,28 +215,36 @@ def _field(where: str, record: dict[str, Any], field: str) -> object:
 def _number_field(where: str, record: dict[str, Any], field: str) -> float:
     value = _field(where, record, field)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TraceError(f"{where}: field '{field}' must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise TraceError(f"{where}: field '{field}' must be finite and >= 0, got {value!r}")
-    return float(value)
+        raise TraceError(f"{where}: field '{field}' must be a number, got {_short(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the largest float
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise TraceError(f"{where}: field '{field}' must be finite and >= 0, got {_short(value)}")
+    return number
 
 
 def _count_field(where: str, record: dict[str, Any], field: str) -> int:
     value = _field(where, record, field)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(f"{where}: field '{field}' must be an integer, got {value!r}")
+        raise TraceError(f"{where}: field '{field}' must be an integer, got {_short(value)}")
     if value < 0:
-        raise TraceError(f"{where}: field '{field}' must be >= 0, got {value}")
+        raise TraceError(f"{where}: field '{field}' must be >= 0, got {_short(value)}")
+    if value >= _MAX_COUNT:
+        raise TraceError(f"{where}: field '{field}' must be < 2**53, got {_short(value)}")
     return value
 
 
 def _hash_ids_field(where: str, record: dict[str, Any]) -> tuple[int, ...]:
     value = _field(where, record, "hash_ids")
     if not isinstance(value, list):
-        raise TraceError(f"{where}: field 'hash_ids' must be a list, got {value!r}")
+        raise TraceError(f"{where}: field 'hash_ids' must be a list, got {_short(value)}")
     for index, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int):
-            raise TraceError(f"{where}: field 'hash_ids'[{index}] must be an integer, got {item!r}")
+            raise TraceError(
+                f"{where}: field 'hash_ids'[{index}] must be an integer, got {_short(item)}"
+            )
     return tuple(value)
 
 

@@ -9,6 +9,7 @@ that is missing or invalid; with ``--json`` a failure prints the error object.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -299,6 +300,81 @@ def test_missing_and_invalid_trace_files_exit_8(tmp_path: Path) -> None:
     assert f"{bad}:2" in error["message"] and "'timestamp'" in error["message"]
     result = sim(str(bad))  # without --json: one line on stderr, nothing on stdout
     assert result.exit_code == 8 and result.stdout == "" and f"{bad}:2" in result.stderr
+
+
+GOOD_LINE = b'{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}\n'
+DIGITS = sys.get_int_max_str_digits()
+
+
+def bad_trace(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A file (or directory) that is no trace, and what its error must say."""
+    path = tmp_path / f"{kind}.jsonl"
+    if kind == "directory":
+        path.mkdir()
+        return path, f"cannot read trace {path}: "
+    content, named = {
+        "deep-json": (GOOD_LINE + b"[" * 100_000 + b"\n", f"{path}:2: not valid JSON"),
+        "not-utf8": (GOOD_LINE * 2 + b'{"x": "\xff"}\n', f"{path}:3: not UTF-8 (byte 0xff"),
+        "long-int": (
+            GOOD_LINE + b'{"timestamp": ' + b"9" * 5000 + b"}\n",
+            f"{path}:2: not valid JSON (a number has more than {DIGITS} digits)",
+        ),
+        "gzip": (gzip.compress(GOOD_LINE * 3), f"{path}:1: gzip-compressed"),
+        "empty": (b"", f"{path}: no requests"),
+    }[kind]
+    path.write_bytes(content)
+    return path, named
+
+
+@pytest.mark.parametrize(
+    "kind", ["deep-json", "not-utf8", "long-int", "gzip", "empty", "directory"]
+)
+def test_a_trace_that_is_no_trace_exits_8_with_one_line(tmp_path: Path, kind: str) -> None:
+    """Not a traceback (RecursionError), nor a usage error (2) for bad bytes, a too
+    long number or a directory: exit 8, one line naming the file and line."""
+    path, named = bad_trace(tmp_path, kind)
+    result = sim(str(path), "--policy", "vllm", "--json")
+    assert result.exit_code == 8, result.output
+    error = json_of(result)
+    assert error["exit_code"] == 8 and named in error["error"]["message"]
+    assert "Traceback" not in result.output
+    result = sim(str(path), "--policy", "vllm")
+    assert result.exit_code == 8 and result.stdout == ""
+    [line] = result.stderr.splitlines()  # one line, however long the path and hint
+    assert line.startswith("error: ") and named in line
+
+
+def test_a_trace_that_is_no_trace_exits_8_from_the_command_line(tmp_path: Path) -> None:
+    """The real process: no RecursionError traceback, exit 8, stderr one line."""
+    path, named = bad_trace(tmp_path, "deep-json")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.tiering.sim", str(path), "--policy", "vllm"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 8, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1 and named in done.stderr
+
+
+def test_a_huge_capacity_is_a_capacity_and_a_non_finite_one_a_usage_error(
+    trace_file: Path,
+) -> None:
+    """Large finite capacities ask for an unbounded tier; inf, nan and negatives exit 2."""
+    huge = "9" * 400  # beyond a float: once an OverflowError traceback
+    assert parse_capacity_bytes(f"2.01KB,{huge},1") == (2010, int(huge), 1)  # exact
+    result = sim(str(trace_file), "--capacity-bytes", f"1GiB,{huge},1GiB", "--policy", "vllm")
+    assert result.exit_code == 0, result.output
+    result = sim(str(trace_file), "--capacity", "0.02,1e300,0.5", "--policy", "lmcache", "--json")
+    assert result.exit_code == 0, result.output
+    document = json_of(result)
+    assert document["capacity_blocks"][1] == 10**300 * document["unique_blocks"]
+    for capacity in ("0.02,inf,0.5", "0.02,1e400,0.5", "0.02,-inf,0.5", "-0.5,1,1"):
+        result = sim(str(trace_file), "--capacity", capacity, "--json")
+        assert result.exit_code == 2, (capacity, result.output)
+        assert "must be finite and >= 0" in json_of(result)["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,10 @@ ids are chained: an id always has the same parent.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,85 @@ def test_a_timestamp_going_back_is_refused(tmp_path: Path) -> None:
         load_trace(path)
     # Equal timestamps are fine (Mooncake has many at the same millisecond).
     assert len(load_trace(write_lines(tmp_path, GOOD, GOOD))) == 2
+
+
+def bad_files() -> list[tuple[str, bytes, str, str]]:
+    """(id, file bytes, the line the error names, what it says) of files no trace is."""
+    good = (GOOD + "\n").encode()
+    digits = sys.get_int_max_str_digits()
+    return [
+        ("deep-array", good + b"[" * 100_000 + b"\n", ":2:", "nested too deeply"),
+        ("deep-object", good + b'{"a": ' * 100_000 + b"\n", ":2:", "nested too deeply"),
+        (
+            "not-utf8",
+            good * 3 + b'{"timestamp": 0, "note": "caf\xe9"}\n',
+            ":4:",
+            "not UTF-8 (byte 0xe9 at column 30)",
+        ),
+        ("gzip", gzip.compress(good * 3), ":1:", "gzip-compressed"),
+        (
+            "long-int",
+            good + GOOD.replace('"timestamp": 0', f'"timestamp": {"9" * (digits + 700)}').encode(),
+            ":2:",
+            f"a number has more than {digits} digits",
+        ),
+        (
+            "int-beyond-float",
+            good + GOOD.replace('"timestamp": 0', f'"timestamp": {"9" * 400}').encode(),
+            ":2:",
+            "field 'timestamp' must be finite and >= 0",
+        ),
+        (
+            "count-beyond-float",
+            good + GOOD.replace('"input_length": 1000', f'"input_length": {2**53}').encode(),
+            ":2:",
+            "field 'input_length' must be < 2**53",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "expected"),
+    [case[1:] for case in bad_files()],
+    ids=[case[0] for case in bad_files()],
+)
+def test_a_file_that_is_no_trace_is_a_trace_error_naming_the_line(
+    tmp_path: Path, content: bytes, line: str, expected: str
+) -> None:
+    """Not a RecursionError, UnicodeDecodeError, bare ValueError or OverflowError."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as raised:
+        load_trace(path)
+    message = str(raised.value)
+    assert f"{path}{line}" in message and expected in message
+    assert len(message) < 400  # no megabyte excerpt of the bad line
+
+
+def test_an_error_quotes_a_short_excerpt_of_a_huge_value(tmp_path: Path) -> None:
+    huge = '"' + "x" * 100_000 + '"'
+    path = write_lines(tmp_path, GOOD.replace('"hash_ids": [0, 1]', f'"hash_ids": [{huge}]'))
+    with pytest.raises(TraceError, match=r"'hash_ids'\[0\] must be an integer, got 'xx") as raised:
+        load_trace(path)
+    assert len(str(raised.value)) < 400
+    path = write_lines(tmp_path, GOOD.replace('"input_length": 1000', f'"input_length": {huge}'))
+    with pytest.raises(TraceError, match="'input_length' must be an integer") as raised:
+        load_trace(path)
+    assert len(str(raised.value)) < 400
+
+
+def test_an_empty_file_has_no_requests(tmp_path: Path) -> None:
+    for text in ("", "\n  \n\n"):
+        path = tmp_path / "empty.jsonl"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(TraceError, match=f"{path}: no requests"):
+            load_trace(path)
+        assert load_trace(path, limit=0) == []  # asked for none
+
+
+def test_utf8_text_beyond_ascii_is_fine(tmp_path: Path) -> None:
+    path = write_lines(tmp_path, GOOD.replace("}", ', "note": "café ✓"}'))
+    assert load_trace(path) == [Request(0.0, 1000, 5, (0, 1))]
 
 
 def test_write_then_load_round_trips(tmp_path: Path) -> None:
