@@ -30,6 +30,10 @@ PLACEMENTS = ("write_back", "write_through", "exclusive")
 _MOVERS = ("auto", "cpu", "cuda", "fake")
 
 
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelCost:
     """What recomputing a prefix costs: the prefill FLOPs of seed 000.
@@ -47,8 +51,10 @@ class ModelCost:
     kv_bytes_per_token: int
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.n_params, int | float) and self.n_params > 0):
-            raise ValueError(f"ModelCost.n_params must be > 0, got {self.n_params!r}")
+        if not (_finite(self.n_params) and self.n_params > 0):
+            raise ValueError(
+                f"ModelCost.n_params must be a finite number > 0, got {self.n_params!r}"
+            )
         for name in ("layers", "q_heads", "head_dim", "kv_bytes_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -124,8 +130,9 @@ class TierConfig:
     nvme_options: Mapping[str, Any] = field(default_factory=dict)
     nvme_bytes: int | None = None  # None: the store's capacity_bytes, else unbounded
     model: ModelCost = field(default_factory=lambda: MODEL_PRESETS["llama-3.1-8b"])
-    # Effective prefill FLOP/s until observe_prefill has measured it.
-    compute_flops: float = 4.0e14
+    # Effective prefill FLOP/s until observe_prefill has measured it. None: the device
+    # class's prior (a GPU's 4e14 on cuda, a CPU's 1e12 on cpu; kvstore.tiering.cost).
+    compute_flops: float | None = None
     layer_overlap: bool = False  # True: a load overlaps the recompute of the rest
     # Policies (the defaults were chosen by `kvstore sim`, docs/tiering.md).
     admission: str = "value_density"
@@ -190,8 +197,13 @@ class TierConfig:
             raise ValueError(f"mover must be one of {_MOVERS}, got {self.mover!r}")
         if len(self.phi_weights) != 4 or not all(_finite(w) for w in self.phi_weights):
             raise ValueError(f"phi_weights must be four finite numbers, got {self.phi_weights!r}")
+        if self.compute_flops is not None and not (
+            _finite(self.compute_flops) and self.compute_flops > 0
+        ):
+            raise ValueError(
+                f"compute_flops must be a finite number > 0 or None, got {self.compute_flops!r}"
+            )
         for name in (
-            "compute_flops",
             "recency_scale_s",
             "hit_half_life_s",
             "emergency_write_s",
@@ -217,18 +229,24 @@ class TierConfig:
             raise ValueError("the fake mover moves no bytes: it cannot serve a real nvme_path")
         if self.clock is not None and self.mover != "fake":
             raise ValueError("clock= is the fake mover's virtual clock; set mover='fake'")
-        for mapping_name in ("bandwidth_bytes_per_s", "latency_s"):
-            for path, value in getattr(self, mapping_name).items():
-                if not (_finite(value) and value > 0 if mapping_name[0] == "b" else value >= 0):
-                    raise ValueError(f"{mapping_name}[{path!r}] must be > 0, got {value!r}")
+        for path, value in self.bandwidth_bytes_per_s.items():
+            if not (_finite(value) and value > 0):
+                raise ValueError(
+                    f"bandwidth_bytes_per_s[{path!r}] must be a finite rate > 0, got {value!r}"
+                )
+        for path, value in self.latency_s.items():
+            if not (_finite(value) and value >= 0):
+                raise ValueError(f"latency_s[{path!r}] must be finite and >= 0, got {value!r}")
+
+    @property
+    def device_class(self) -> str:
+        """``"gpu"`` or ``"cpu"``: whose priors seed the cost model. The fake mover
+        models a GPU node (``kvstore sim``), whatever ``device`` says."""
+        return "gpu" if self.device.startswith("cuda") or self.mover == "fake" else "cpu"
 
     @property
     def admission_mode(self) -> tuple[str, int]:
         return parse_admission(self.admission)
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -3,7 +3,12 @@
 ``Bandwidth`` fits ``seconds = α + bytes / B`` per path from completed transfers
 (exponentially weighted least squares, so a drifting disk is followed within a few
 dozen transfers); ``Compute`` fits the effective prefill FLOP/s from what the engine
-reports through ``observe_prefill``. ``CostModel.plan`` picks how many of a hit
+reports through ``observe_prefill``. Both start from priors per device class
+(``class_priors``: a GPU node's or a CPU host's), which samples refine; a sample
+that disagrees with the estimate by more than 8x is held until three in a row
+agree (one slow copy on a busy host cannot move it), and the first copies of a
+real mover are discarded (cold caches, first-touch page faults).
+``CostModel.plan`` picks how many of a hit
 prefix's pages to load so that the time to first token is smallest: 0 pages means
 recompute everything (MISS). Pure arithmetic on floats: no locks, no I/O.
 """
@@ -17,13 +22,17 @@ from dataclasses import dataclass
 from kvstore.tiering.config import ModelCost
 
 __all__ = [
+    "CPU_BANDWIDTH_BYTES_PER_S",
+    "CPU_COMPUTE_FLOPS",
     "DEFAULT_BANDWIDTH_BYTES_PER_S",
     "DEFAULT_LATENCY_S",
+    "GPU_COMPUTE_FLOPS",
     "LOAD_PATHS",
     "Bandwidth",
     "Compute",
     "CostModel",
     "PlanCost",
+    "class_priors",
 ]
 
 HBM, DRAM, NVME = 0, 1, 2
@@ -45,6 +54,20 @@ DEFAULT_LATENCY_S: Mapping[str, float] = {
     "nvme_read": 1e-4,
     "nvme_write": 2e-4,
 }
+# A CPU host's class: every copy path is a host memcpy (a conservative few GB/s for
+# one thread), and prefill runs on the CPU: 1 TFLOP/s is above what a server CPU
+# sustains on a prefill, so recompute looks cheaper than it is (a CPU-class κ errs
+# toward recomputing, never toward a tier it cannot pay back).
+CPU_BANDWIDTH_BYTES_PER_S: Mapping[str, float] = {
+    "d2d": 5.0e9,
+    "h2d": 5.0e9,
+    "d2h": 5.0e9,
+    "h2h": 5.0e9,
+    "nvme_read": 6.0e9,
+    "nvme_write": 3.0e9,
+}
+GPU_COMPUTE_FLOPS = 4.0e14  # an H100-class GPU's effective prefill rate
+CPU_COMPUTE_FLOPS = 1.0e12
 # How a page reaches the engine's destination from each tier.
 LOAD_PATHS: Mapping[int, tuple[str, ...]] = {
     HBM: ("d2d",),
@@ -54,28 +77,115 @@ LOAD_PATHS: Mapping[int, tuple[str, ...]] = {
 
 _DECAY = 0.97  # weight kept by older samples per new one: ~33 transfers of memory
 _MIN_FIT_SAMPLES = 8
+# A sample whose implied rate is off the estimate by more than this factor is an
+# outlier: held (not folded in) until _CONFIRM of them in a row, off the same way,
+# say the path really changed; then the fit restarts from them.
+_OUTLIER = 8.0
+_CONFIRM = 3
+
+
+def class_priors(device_class: str) -> tuple[Mapping[str, float], float]:
+    """(bandwidth seeds per path, C_eff seed) for ``"gpu"`` or ``"cpu"``."""
+    if device_class == "gpu":
+        return DEFAULT_BANDWIDTH_BYTES_PER_S, GPU_COMPUTE_FLOPS
+    if device_class == "cpu":
+        return CPU_BANDWIDTH_BYTES_PER_S, CPU_COMPUTE_FLOPS
+    raise ValueError(f"device class must be 'gpu' or 'cpu', got {device_class!r}")
 
 
 class Bandwidth:
-    """``seconds = α + bytes / B`` for one path, fitted from completed transfers."""
+    """``seconds = α + bytes / B`` for one path, fitted from completed transfers.
 
-    __slots__ = ("_s", "_sx", "_sxx", "_sxy", "_sy", "latency_s", "rate", "samples")
+    Robust to what a cold or busy host does to a few samples: the first ``warmup``
+    samples are discarded, and a sample more than 8x off the estimate is held until
+    three in a row agree (then the fit restarts from them: the path changed).
+    ``last_sample_s`` is when a sample last landed (the caller's clock), for probes.
+    """
 
-    def __init__(self, bytes_per_s: float, latency_s: float) -> None:
+    __slots__ = (
+        "_held",
+        "_held_dir",
+        "_held_samples",
+        "_s",
+        "_sx",
+        "_sxx",
+        "_sxy",
+        "_sy",
+        "last_sample_s",
+        "latency_s",
+        "outliers",
+        "rate",
+        "samples",
+        "warmup",
+    )
+
+    def __init__(self, bytes_per_s: float, latency_s: float, *, warmup: int = 0) -> None:
+        if not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+            raise ValueError(f"a bandwidth must be a finite rate > 0, got {bytes_per_s!r}")
+        if not (math.isfinite(latency_s) and latency_s >= 0):
+            raise ValueError(f"a latency must be finite and >= 0, got {latency_s!r}")
         self.rate = float(bytes_per_s)
         self.latency_s = float(latency_s)
         self.samples = 0
+        self.warmup = warmup
+        self.outliers = 0  # samples held and then dropped (never folded in)
+        self.last_sample_s = -math.inf
+        self._held = 0
+        self._held_dir = 0
+        self._held_samples: list[tuple[float, float]] = []
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
     def seconds(self, nbytes: float, transfers: int = 1) -> float:
         return transfers * self.latency_s + nbytes / self.rate
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def set(self, bytes_per_s: float, latency_s: float | None = None) -> None:
+        """Replace the estimate (a calibration, a persisted value): the fit restarts."""
+        if not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+            raise ValueError(f"a bandwidth must be a finite rate > 0, got {bytes_per_s!r}")
+        self.rate = float(bytes_per_s)
+        if latency_s is not None and math.isfinite(latency_s) and latency_s >= 0:
+            self.latency_s = float(latency_s)
+        self._restart()
+
+    def _restart(self) -> None:
+        self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._held = self._held_dir = 0
+        self._held_samples = []
+
+    def observe(self, nbytes: int, seconds: float, now: float | None = None) -> None:
         """Fold one transfer in; a zero-byte or non-positive-time sample is ignored."""
         if nbytes <= 0 or not (seconds > 0 and math.isfinite(seconds)):
             return
-        self.samples += 1
+        if now is not None:
+            self.last_sample_s = now
+        if self.warmup > 0:
+            self.warmup -= 1
+            return
         x, y = float(nbytes), float(seconds)
+        busy = y - self.latency_s
+        implied = x / (busy if busy > 0 else y)
+        off = implied / self.rate
+        if off > _OUTLIER or off < 1.0 / _OUTLIER:
+            direction = 1 if off > 1.0 else -1
+            if direction != self._held_dir:
+                self._held, self._held_dir, self._held_samples = 0, direction, []
+            self._held += 1
+            self._held_samples.append((x, y))
+            if self._held < _CONFIRM:
+                return
+            # The path changed (a busy host, a new disk, a wrong seed): start over from
+            # the held samples' median rate.
+            held = sorted(
+                hx / (hy - self.latency_s if hy > self.latency_s else hy)
+                for hx, hy in self._held_samples
+            )
+            self.rate = held[len(held) // 2]
+            self._restart()
+            return
+        if self._held:
+            self.outliers += self._held
+            self._held, self._held_dir, self._held_samples = 0, 0, []
+        self.samples += 1
         self._s = self._s * _DECAY + 1.0
         self._sx = self._sx * _DECAY + x
         self._sy = self._sy * _DECAY + y
@@ -90,7 +200,6 @@ class Bandwidth:
                 self.rate, self.latency_s = 1.0 / slope, intercept
                 return
         # Transfers all of one size cannot separate α from B: keep α, fit B.
-        busy = y - self.latency_s
         if busy <= 0:
             busy = y
         weight = 0.2 if self.samples > 1 else 1.0
@@ -106,15 +215,22 @@ class Compute:
     __slots__ = ("flops_per_s", "samples")
 
     def __init__(self, flops_per_s: float) -> None:
+        if not (math.isfinite(flops_per_s) and flops_per_s > 0):
+            raise ValueError(f"a compute rate must be finite and > 0, got {flops_per_s!r}")
         self.flops_per_s = float(flops_per_s)
         self.samples = 0
 
     def observe(self, flops: float, seconds: float) -> None:
-        if flops <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+        """Fold one measured prefill in; a non-finite or non-positive one is ignored
+        (the caller refuses it first: ``TierManager.observe_prefill``)."""
+        if not (flops > 0 and math.isfinite(flops)) or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        rate = flops / seconds
+        if not (math.isfinite(rate) and rate > 0):
             return
         self.samples += 1
         weight = 1.0 if self.samples == 1 else 0.1
-        self.flops_per_s = (1 - weight) * self.flops_per_s + weight * flops / seconds
+        self.flops_per_s = (1 - weight) * self.flops_per_s + weight * rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,13 +367,18 @@ class CostModel:
 
 
 def make_bandwidths(
-    rates: Mapping[str, float], latencies: Mapping[str, float]
+    rates: Mapping[str, float],
+    latencies: Mapping[str, float],
+    *,
+    priors: Mapping[str, float] = DEFAULT_BANDWIDTH_BYTES_PER_S,
+    warmup: int = 0,
 ) -> dict[str, Bandwidth]:
-    """One ``Bandwidth`` per path: the defaults, overridden by ``rates``/``latencies``."""
+    """One ``Bandwidth`` per path: the class ``priors``, overridden by
+    ``rates``/``latencies``; each discards its first ``warmup`` samples."""
     out = {}
-    for path, default in DEFAULT_BANDWIDTH_BYTES_PER_S.items():
+    for path, default in priors.items():
         out[path] = Bandwidth(
-            rates.get(path, default), latencies.get(path, DEFAULT_LATENCY_S[path])
+            rates.get(path, default), latencies.get(path, DEFAULT_LATENCY_S[path]), warmup=warmup
         )
     unknown = (set(rates) | set(latencies)) - set(out)
     if unknown:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import operator
 import os
@@ -31,11 +32,20 @@ from pathlib import Path as FsPath
 from typing import Any, NamedTuple
 
 from kvstore.errors import ClosedError, IOFailure, KVStoreError
+from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.format.names import TIERING_STATS_NAME
 from kvstore.io.files import fsync_dir
+from kvstore.log.regular import read_regular
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.config import TierConfig
-from kvstore.tiering.cost import Bandwidth, Compute, CostModel, make_bandwidths
+from kvstore.tiering.cost import (
+    LOAD_PATHS,
+    Bandwidth,
+    Compute,
+    CostModel,
+    class_priors,
+    make_bandwidths,
+)
 from kvstore.tiering.mover import FakeMover, Mover, Path, Priority, Ticket, VirtualClock, make_mover
 from kvstore.tiering.pages import BIT, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState, page_key
 from kvstore.tiering.policy import (
@@ -58,6 +68,8 @@ from kvstore.tiering.results import (
 
 __all__ = ["STATS_FILE", "STATS_VERSION", "TierManager"]
 
+_log = logging.getLogger("kvstore.tiering")
+
 STATS_FILE = TIERING_STATS_NAME
 STATS_VERSION = 1
 META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: format 1)
@@ -70,6 +82,16 @@ _RESERVE_STEP = 0.1
 _RESERVE_MAX = 0.5
 _RESERVE_DECAY_S = 1200.0
 _WARM_BATCH = 16
+_WARMUP_SAMPLES = 2  # a real mover's first samples per path, discarded
+# Exploration: a gated path is probed after this long without a sample, the wait
+# doubling (to the cap) while probes confirm the estimate.
+_PROBE_FIRST_S = 0.25
+_PROBE_MAX_S = 30.0
+_CALIBRATE_BYTES = 32 << 20  # per copy path at open: past a CPU's cache, past timer ticks
+_CALIBRATE_ROUNDS = 3
+_PROBE_KEY = b"\x00kvstore-tier-probe"  # the NVMe probe page (no kvt meta: not a page)
+# Persisted bandwidth more than this factor off a fresh calibration is not trusted.
+_TRUST_FACTOR = 4.0
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _NO_CONTEXT = RequestContext()
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
@@ -97,19 +119,28 @@ class _VirtualSlots:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.capacity_bytes = slots * slot_bytes
-        self._free = list(range(slots - 1, -1, -1))
+        # Slots never handed out are a count, not a list: a huge simulated tier costs
+        # nothing until it is used. Freed slots go back on the list, lowest reused first
+        # (the order a full list would have given).
+        self._fresh = 0
+        self._free: list[int] = []
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if self._free:
+            return self._free.pop()
+        if self._fresh < self.slots:
+            self._fresh += 1
+            return self._fresh - 1
+        return None
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
     def used_slots(self) -> int:
-        return self.slots - len(self._free)
+        return self._fresh - len(self._free)
 
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.slots - self.used_slots()
 
     def view(self, slot: int, nbytes: int | None = None) -> Any:
         return None
@@ -134,10 +165,19 @@ class TierManager:
         self._closed = False
         self._fake = config.mover == "fake"
         slot = _slot_bytes(config.page_bytes)
+        priors, flops_prior = class_priors(config.device_class)
+        self._priors = priors
+        # A real mover's first copies of each path are cold (page faults, thread
+        # start): discarded. The fake mover's timings are exact.
         self._bandwidth: dict[str, Bandwidth] = make_bandwidths(
-            config.bandwidth_bytes_per_s, config.latency_s
+            config.bandwidth_bytes_per_s,
+            config.latency_s,
+            priors=priors,
+            warmup=0 if self._fake else _WARMUP_SAMPLES,
         )
-        self._compute = Compute(config.compute_flops)
+        self._compute = Compute(
+            config.compute_flops if config.compute_flops is not None else flops_prior
+        )
         self.cost = CostModel(
             config.model,
             config.tokens_per_page,
@@ -161,6 +201,10 @@ class TierManager:
         self._now: Callable[[], float] = self._mover.now
         owned_hbm = config.hbm == "owned" and config.hbm_bytes >= slot
         self._owned_hbm = owned_hbm
+        # The tiers the manager can read a page from: with hbm="engine" the HBM bit is
+        # the engine's residency, not a copy the manager can load or keep as a backup.
+        self._readable_mask = 7 if owned_hbm else 6
+        self._above_nvme_mask = 5 if owned_hbm else 4  # a DRAM page's readable other copies
         self._hbm: Any = None
         self._dram: Any
         if self._fake:
@@ -182,6 +226,14 @@ class TierManager:
             options: dict[str, Any] = {"create": True, "max_page_bytes": slot}
             options.update(config.nvme_options)
             self._store = KVStore.open(config.nvme_path, **options)
+            store_max = self._store.config.max_page_bytes
+            if store_max < config.page_bytes:
+                self._store.close()
+                raise ValueError(
+                    f"the NVMe store at {config.nvme_path} takes pages of at most "
+                    f"{store_max} bytes (max_page_bytes), less than page_bytes="
+                    f"{config.page_bytes}: every write-back would fail"
+                )
             self._stats_path = FsPath(config.nvme_path) / STATS_FILE
             if nvme_capacity is None:
                 nvme_capacity = self._store.config.capacity_bytes
@@ -246,12 +298,23 @@ class TierManager:
         self._fetch_queue_since = 0.0  # when its head started waiting (or last moved)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Exploration: a tier whose κ < 1 is used by nothing, so nothing re-measures
+        # it; the control loop probes its load paths (see _explore).
+        self._probe_every_s: dict[str, float] = {}
+        self._probe_due_s: dict[str, float] = {}
+        self._probe_scratch: dict[str, tuple[Any, Any]] = {}
+        self._probes_in_flight: set[str] = set()
+        self._probe_written = False
+        self._gated = [False, False, False]  # per tier: κ < 1 (warned once per episode)
+        self._stats_error: str | None = None
+        self._last_error: str | None = None
         try:
             if self._store is not None:
                 self._rebuild_from_nvme()
                 self._load_stats()
             if config.probe_at_open and not self._fake:
-                self._probe()
+                self._calibrate()
+            self._update_gates()
         except BaseException:
             self._close_resources()
             raise
@@ -289,6 +352,9 @@ class TierManager:
             snapshot = self._stats_snapshot() if self._stats_path is not None else None
         if snapshot is not None:
             self._write_stats(snapshot)
+        if self._probe_written and self._store is not None:
+            with contextlib.suppress(KVStoreError):
+                self._store.delete(_PROBE_KEY)
         self._close_resources()
 
     def _close_resources(self) -> None:
@@ -321,12 +387,15 @@ class TierManager:
         key); the plan compares loading the hit with recomputing it. PENDING pages are
         fetched NVMe -> DRAM in the background at once.
         """
-        ctx = ctx or _NO_CONTEXT
+        ctx = _check_ctx(ctx)
+        if tokens is not None:
+            _check_count("lookup: tokens", tokens, low=0)
         with self._lock:
             self._check_open()
             self._harvest()
             get = self._pages.get
             tag = ctx.tag
+            readable = self._readable_mask
             hit_recs: list[PageRec] = []
             hit_append = hit_recs.append
             walked: list[bytes] = []  # the hit keys and the first miss: the reuse count's
@@ -336,12 +405,12 @@ class TierManager:
                 key = raw if type(raw) is bytes else page_key(raw)
                 rec = get(key)
                 walked_append(key)
-                if rec is None or not rec.tiers:
+                if rec is None or not rec.tiers & readable:
                     break
                 hit_append(rec)
             # Per hit page, in C-speed passes rather than in the walk: its top tier, its
             # size, whether it is in flight (its wait adds to the plan's load time).
-            tiers = [_TOP_TIER[rec.tiers] for rec in hit_recs]
+            tiers = [_TOP_TIER[rec.tiers & readable] for rec in hit_recs]
             sizes = [rec.nbytes for rec in hit_recs]
             by_tier = [tiers.count(0), tiers.count(1), tiers.count(2)]
             busy = [
@@ -397,18 +466,30 @@ class TierManager:
             if load < hit:
                 self._bump("recompute:" + ("no_hit" if hit == 0 else "faster"))
             state = LookupState.MISS if load == 0 else LookupState.READY
-            if load and maybe_pending:
-                pending = [
-                    r
-                    for r in hit_recs[:load]
-                    if (r.state is _READY and not r.tiers & 3)  # on NVMe only
-                    or (r.state is not _READY and r.state is not _EVICTING)
-                ]
-                if pending:
-                    state = LookupState.PENDING
-                    self._fetch(pending, _DEMAND)
+            if load and maybe_pending and self._stage(hit_recs, load):
+                state = LookupState.PENDING
             plan = LoadPlan(tuple(walked[:hit]), tuple(tiers), load, cost, reason)
             return LookupResult(state, hit, (by_tier[0], by_tier[1], by_tier[2]), plan)
+
+    def _stage(self, hit_recs: list[PageRec], load: int) -> bool:
+        """Start NVMe -> DRAM reads of the plan's first ``load`` pages where DRAM has a
+        slot; whether any of them is still on its way up (PENDING).
+
+        The whole hit is protected while its reads take DRAM slots: a prefix's own
+        reads never evict the prefix's DRAM pages (which answered PENDING for ever,
+        each lookup's reads evicting what the last one staged). A page that finds no
+        slot stays on NVMe and does not make the plan PENDING: ``prepare_load`` streams
+        it through the slots its own copies free as they land."""
+        for rec in hit_recs:
+            rec.pins += 1
+        try:
+            nvme_only = [r for r in hit_recs[:load] if r.state is _READY and not r.tiers & 3]
+            if nvme_only:
+                self._fetch(nvme_only, _DEMAND)
+        finally:
+            for rec in hit_recs:
+                rec.pins -= 1
+        return any(rec.state is _LOADING or rec.state is _WRITING for rec in hit_recs[:load])
 
     def prepare_load(
         self,
@@ -420,6 +501,10 @@ class TierManager:
         """Copy the plan's ``load_pages`` pages into ``dst`` (one byte-viewable tensor
         per page, on the device). Pins them until ``complete_load``. ``wait_event``
         (R3): a CUDA event the engine recorded after its last read of ``dst``."""
+        if not isinstance(plan, LoadPlan):
+            raise TypeError(
+                f"plan must be a LoadPlan (lookup(...).plan), not {type(plan).__name__}"
+            )
         count = plan.load_pages
         views: list[Any] = [None] * count
         if not self._fake:
@@ -431,15 +516,20 @@ class TierManager:
             self._check_open()
             self._harvest()
             records: list[PageRec | None] = [self._pages.get(k) for k in plan.keys[:count]]
+            for index, rec in enumerate(records):
+                view = views[index]
+                if rec is not None and view is not None and view.numel() < rec.nbytes:
+                    raise ValueError(
+                        f"dst[{index}] holds {view.numel()} bytes, less than page "
+                        f"{plan.keys[index]!r}'s {rec.nbytes}"
+                    )
             handle = LoadHandle(plan, records, self._pump)
             self._loads.add(handle)
             direct: dict[Path, list[tuple[int, Any, Any]]] = {}
             waiting: list[int] = []
+            readable = self._readable_mask
             for index, rec in enumerate(records):
-                if rec is None or not rec.tiers:
-                    handle.settle(index, 0)
-                    continue
-                if views[index] is not None and views[index].numel() < rec.nbytes:
+                if rec is None or not rec.tiers & readable:
                     handle.settle(index, 0)
                     continue
                 rec.pins += 1
@@ -511,9 +601,15 @@ class TierManager:
         ``hbm_release`` says when ``srcs`` may be reused. Declines (everything
         pinned, below τ, an orphan) are in the result: nothing raises into the engine
         for a full tier. ``sizes``: page sizes when ``srcs`` is None (fake mover)."""
-        ctx = ctx or _NO_CONTEXT
+        ctx = _check_ctx(ctx)
         count = len(keys)
         key_bytes = [k if type(k) is bytes else page_key(k) for k in keys]
+        for i, key in enumerate(key_bytes):
+            if not 0 < len(key) <= MAX_INDEX_KEY_BYTES:
+                raise ValueError(
+                    f"keys[{i}] is {len(key)} bytes; page keys are 1..{MAX_INDEX_KEY_BYTES} "
+                    "bytes (what the NVMe store keeps)"
+                )
         if parents is not None and len(parents) != count:
             raise ValueError(f"{count} keys but {len(parents)} parents")
         first_parent: bytes | None = None
@@ -555,8 +651,15 @@ class TierManager:
             tag = ctx.tag
             reuse_access = self._reuse.access_offer
             tokens_per_page = self.config.tokens_per_page
+            first_at: dict[bytes, int] = {}
             for i in range(count):
                 key = key_bytes[i]
+                first = first_at.setdefault(key, i)
+                if first != i:
+                    # A key repeated in one offer is one page: the first decides.
+                    tiers_out[i] = tiers_out[first]
+                    reasons[i] = f"duplicate of keys[{first}]"
+                    continue
                 parent = parent_keys[i]
                 rec = pages.get(key)
                 parent_rec = pages.get(parent) if parent is not None else None
@@ -645,6 +748,7 @@ class TierManager:
     def notify_hbm_evicted(self, keys: Iterable[object]) -> None:
         """``hbm="engine"``: the engine dropped these blocks from its GPU cache."""
         with self._lock:
+            self._check_open()
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
                 if rec is not None and rec.in_tier(HBM):
@@ -654,6 +758,7 @@ class TierManager:
     def prefetch(self, keys: Sequence[object], ctx: RequestContext | None = None) -> int:
         """At enqueue time: start NVMe -> DRAM reads of the resident prefix's NVMe-only
         pages. Returns how many reads were started."""
+        _check_ctx(ctx)
         with self._lock:
             self._check_open()
             self._harvest()
@@ -670,26 +775,39 @@ class TierManager:
         """The request is done (counted). Its pages keep the SLO deficit they were
         stamped with at their last access: Φ's w4 term ranks late requests' pages
         first, and a later access restamps them."""
+        ctx = _check_ctx(ctx)
         with self._lock:
+            self._check_open()
             if not ctx.request_id:
                 return
             self._bump("requests:finished")
 
     def observe_prefill(self, tokens: int, context: int, seconds: float) -> None:
         """The engine measured a prefill of ``tokens`` after ``context`` cached ones."""
-        if tokens <= 0 or context < 0 or not (seconds > 0 and math.isfinite(seconds)):
+        _check_count("observe_prefill: tokens", tokens, low=1)
+        _check_count("observe_prefill: context", context, low=0)
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not (seconds > 0 and math.isfinite(seconds))
+        ):
+            raise ValueError(f"observe_prefill needs seconds finite and > 0, got {seconds!r}")
+        flops = self.config.model.prefill_flops(tokens, context)
+        if not (math.isfinite(flops) and math.isfinite(flops / seconds) and flops / seconds > 0):
             raise ValueError(
-                f"observe_prefill needs tokens > 0, context >= 0, seconds > 0; got "
-                f"{tokens}, {context}, {seconds}"
+                f"observe_prefill: {tokens} tokens in {seconds!r} s is no finite compute rate"
             )
         with self._lock:
-            self._compute.observe(self.config.model.prefill_flops(tokens, context), seconds)
+            self._check_open()
+            self._compute.observe(flops, seconds)
+            self._vd_cache = None
 
     # -- pins and retains ------------------------------------------------------
 
     def pin(self, keys: Iterable[object]) -> list[bool]:
         """Keep pages where they are (never victims); False for a page not resident."""
         with self._lock:
+            self._check_open()
             out = []
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
@@ -702,6 +820,7 @@ class TierManager:
 
     def unpin(self, keys: Iterable[object]) -> None:
         with self._lock:
+            self._check_open()
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
                 if rec is None or rec.pins == 0:
@@ -712,6 +831,7 @@ class TierManager:
     def retain(self, keys: Iterable[object]) -> list[bool]:
         """Freeze pages: admitted past τ, written to NVMe and retained there."""
         with self._lock:
+            self._check_open()
             out = []
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
@@ -728,6 +848,7 @@ class TierManager:
 
     def release(self, keys: Iterable[object]) -> None:
         with self._lock:
+            self._check_open()
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
                 if rec is None or not rec.retained:
@@ -778,6 +899,8 @@ class TierManager:
                 self._preclean()
             self._retry_fetches()
             self._warm_step()
+            self._update_gates()
+            self._explore(now)
             if (
                 self._stats_path is not None
                 and self.config.persist_stats_s > 0
@@ -1413,7 +1536,7 @@ class TierManager:
 
     def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec], urgent: bool) -> bool:
         """Free, drop or queue for write-back one DRAM victim; False: paced, wait."""
-        if rec.in_tier(NVME) or rec.in_tier(HBM):
+        if rec.tiers & self._above_nvme_mask:  # NVMe or owned HBM holds a copy
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:clean")
             return True
@@ -1484,8 +1607,10 @@ class TierManager:
             return
         want = min(want, _BATCH)
 
+        other_copy = self._above_nvme_mask
+
         def dirty(rec: PageRec) -> bool:
-            return not rec.tiers & 5 and _copyable(rec) and self._admits_nvme(rec)
+            return not rec.tiers & other_copy and _copyable(rec) and self._admits_nvme(rec)
 
         # take: _write_back marks every one busy, which removes it from the order.
         picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
@@ -1515,8 +1640,20 @@ class TierManager:
         nvme_need = sum(r.nbytes for r in recs)
         over = self._used[NVME] + self._nvme_reserved + nvme_need - self._capacity[NVME]
         if over > 0:
-            # NVMe frees on allocation (a delete): exactly the room these writes need.
-            self._evict_to(NVME, None, force=True, batch=max(1, math.ceil(over / self._slot_bytes)))
+            # NVMe frees on allocation (a delete): the bytes these writes need, counted
+            # in bytes (victims smaller than a slot free less than one).
+            over = self._make_nvme_room(over)
+            while over > 0 and recs:
+                # No more room (every NVMe page pinned or in flight): the rest stays in
+                # DRAM, dirty, for a later cycle; capacity is never exceeded.
+                rec = recs.pop()
+                nvme_need -= rec.nbytes
+                over -= rec.nbytes
+                self._orders[DRAM].remove(rec)  # a victim or a take: filed again
+                self._enter_order(rec, DRAM)
+                self._bump("write:no_room")
+            if not recs:
+                return
         self._nvme_reserved += nvme_need
         items: list[tuple[bytes, Any, dict[str, Any] | None]] = []
         sizes = []
@@ -1545,6 +1682,18 @@ class TierManager:
             tag=("write", recs, demote),
             **kwargs,
         )
+
+    def _make_nvme_room(self, over: int) -> int:
+        """Delete NVMe victims until ``over`` bytes are free; the bytes still missing."""
+        for _ in range(64):
+            before = self._used[NVME]
+            batch = max(1, math.ceil(over / self._slot_bytes))
+            if not self._evict_to(NVME, None, force=True, batch=batch):
+                break
+            over -= before - self._used[NVME]
+            if over <= 0:
+                break
+        return over
 
     def _check_emergency(self) -> None:
         in_flight = self._mover.in_flight_bytes(_NVME_WRITE)
@@ -1754,6 +1903,7 @@ class TierManager:
     def _harvest(self) -> int:
         """Process completed tickets (R6: before any eviction decision); how many."""
         tickets = self._mover.poll()
+        now = self._now() if tickets else 0.0
         for ticket in tickets:
             tag = ticket.tag
             if not isinstance(tag, tuple):
@@ -1763,7 +1913,7 @@ class TierManager:
             if seconds is not None and ticket.error is None and ticket.moved_bytes > 0:
                 fit = self._bandwidth[ticket.path.value]
                 before = (fit.rate, fit.latency_s)
-                fit.observe(ticket.moved_bytes, seconds)
+                fit.observe(ticket.moved_bytes, seconds, now)
                 moved = abs(fit.rate - before[0]) > 0.01 * before[0] or abs(
                     fit.latency_s - before[1]
                 ) > 0.01 * max(before[1], 1e-9)
@@ -1780,6 +1930,8 @@ class TierManager:
                 self._read_done(ticket, tag[1])
             elif kind == "load":
                 self._load_done(ticket, tag[1], tag[2])
+            elif kind == "probe":
+                self._probe_done(ticket, tag[1], tag[2])
         return len(tickets)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
@@ -1976,10 +2128,18 @@ class TierManager:
         fails any check (torn, garbage, a rate of 0, a short list) is treated as absent
         and costs warm-up, never the open, a half-applied state or a later raise."""
         path = self._stats_path
-        if path is None or not path.exists():
+        if path is None:
             return
         try:
-            parsed = _parse_stats(json.loads(path.read_text()), str(path))
+            raw = read_regular(path)  # O_NONBLOCK, regular files only: a FIFO never blocks
+        except FileNotFoundError:
+            return
+        except (OSError, KVStoreError) as e:
+            self._bump("restart:stats_unreadable")
+            self._stats_error = f"{path}: {e}"
+            return
+        try:
+            parsed = _parse_stats(json.loads(raw), str(path))
         except (OSError, ValueError, RecursionError, KVStoreError) as e:
             self._bump("restart:stats_unreadable")
             self._stats_error = f"{path}: {e}"
@@ -2042,10 +2202,19 @@ class TierManager:
             return
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump(snapshot, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
+            data = json.dumps(snapshot, separators=(",", ":")).encode()
+            # The temporary name is ours: whatever is there (a stale file, a FIFO that
+            # would block the open for ever, a link) is removed, then created anew.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
             fsync_dir(path.parent)
         except (OSError, IOFailure) as e:
@@ -2092,33 +2261,263 @@ class TierManager:
             self._warm_in_flight += started
             self._bump("restart:warmed", started)
 
-    def _probe(self) -> None:
-        """Seed the copy paths' bandwidth with one short measured copy each."""
+    # -- internals: measurement -------------------------------------------------------
+    #
+    # Every estimate that enters the cost model is protected three ways (docs/tiering.md,
+    # "Measurements"): class priors that samples refine, a fit that discards cold
+    # samples and holds outliers (cost.Bandwidth), and exploration: a tier whose κ < 1
+    # is used by nothing, so nothing would re-measure it; its load paths are probed.
+
+    def _calibrate(self) -> None:
+        """Fresh copy rates at open, with enough bytes that a timer tick or one slow
+        copy is noise: per copy path, rounds of copies of ``_CALIBRATE_BYTES`` each,
+        the median round. A configured path is the operator's and is not measured.
+        NVMe reads: a few existing pages, replacing a persisted rate only when it is
+        more than ``_TRUST_FACTOR`` off (one read is a thin sample; history is not)."""
+        configured = self.config.bandwidth_bytes_per_s
         try:
             import torch
 
-            size = min(self._slot_bytes, 4 << 20)
-            host = torch.empty(size, dtype=torch.uint8)
-            other = torch.empty(size, dtype=torch.uint8)
-            paths = [("h2h", host, other)]
-            if self.config.device.startswith("cuda"):
-                dev = torch.empty(size, dtype=torch.uint8, device=self.config.device)
-                paths = [("h2d", host, dev), ("d2h", dev, host)]
+            cuda = self.config.device.startswith("cuda")
+            # Page-sized copies out of a region larger than a CPU's last-level cache, as
+            # the arena's copies are: a cached buffer would time the cache, not DRAM.
+            size = max(_CALIBRATE_BYTES // self._slot_bytes, 1) * self._slot_bytes
+            host = torch.full((size,), 1, dtype=torch.uint8, pin_memory=cuda)
+            other = torch.full((size,), 2, dtype=torch.uint8)  # touched: no first faults
+            groups: list[tuple[tuple[str, ...], Any, Any]]
+            if cuda:
+                dev = torch.full((size,), 3, dtype=torch.uint8, device=self.config.device)
+                dev2 = torch.empty_like(dev)
+                groups = [(("h2d",), host, dev), (("d2h",), dev, host), (("d2d",), dev, dev2)]
             else:
-                paths = [("h2d", host, other), ("d2h", other, host), ("d2d", host, other)]
-            for name, src, dst in paths:
-                dst.copy_(src)
-                start = time.perf_counter()
-                for _ in range(4):
-                    dst.copy_(src)
-                if self.config.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                seconds = (time.perf_counter() - start) / 4
-                if name not in self.config.bandwidth_bytes_per_s and seconds > 0:
-                    self._bandwidth[name].rate = size / seconds
-        except Exception as e:  # a probe is a seed: a failure keeps the defaults
+                # On a CPU device every copy path is the same host memcpy: measured once.
+                groups = [(("h2d", "d2h", "d2d", "h2h"), host, other)]
+            for names, src, dst in groups:
+                wanted = [n for n in names if n not in configured]
+                if not wanted:
+                    continue
+                rate = _median_copy_rate(src, dst, self._slot_bytes, cuda)
+                if rate is not None:
+                    for name in wanted:
+                        self._bandwidth[name].set(rate)
+        except Exception as e:  # a calibration is a seed: a failure keeps the priors
             self._bump("probe:failures")
-            self._stats_error = f"probe: {e}"
+            self._stats_error = f"calibration: {e}"
+        self._calibrate_nvme_read()
+        self._vd_cache = None
+
+    def _calibrate_nvme_read(self) -> None:
+        if self._store is None or "nvme_read" in self.config.bandwidth_bytes_per_s:
+            return
+        recs = [r for r in self._pages.values() if r.tiers & 4 and r.nbytes > 0][:8]
+        if not recs:
+            return
+        try:
+            import torch
+
+            scratch = [torch.empty(r.nbytes, dtype=torch.uint8) for r in recs]
+            arrays = [t.numpy() for t in scratch]
+            start = time.perf_counter()
+            got = self._store.get_many_into([r.key for r in recs], arrays)
+            seconds = time.perf_counter() - start
+        except Exception as e:
+            self._bump("probe:failures")
+            self._stats_error = f"calibration: {e}"
+            return
+        moved = sum(n for n in got if n)
+        if not moved or seconds <= 0:
+            return
+        fresh = moved / seconds
+        fit = self._bandwidth["nvme_read"]
+        if not 1 / _TRUST_FACTOR <= fresh / fit.rate <= _TRUST_FACTOR:
+            self._bump("restart:nvme_read_recalibrated")
+            fit.set(fresh)
+
+    def _update_gates(self) -> None:
+        """κ per lower tier against 1: a tier with κ < 1 is not used to load from
+        (the plan recomputes) nor, for NVMe, written to; say so once, and let the
+        exploration probes re-measure it."""
+        changed = False
+        for tier in (DRAM, NVME):
+            if not self._capacity[tier]:
+                continue
+            kappa = self.cost.kappa(tier, self.config.page_bytes)
+            gated = kappa < 1.0
+            if gated == self._gated[tier]:
+                continue
+            changed = True
+            self._gated[tier] = gated
+            name = TIER_NAMES[tier]
+            rates = ", ".join(
+                f"{p} {self._bandwidth[p].rate / 1e6:.1f} MB/s" for p in LOAD_PATHS[tier]
+            )
+            if gated:
+                self._bump(f"gate:{name}:closed")
+                if self._bump_once(f"gate:{name}:warned") and not self._fake:
+                    _log.warning(
+                        "kvstore tier manager: loading from %s is measured slower than "
+                        "recomputing (kappa %.3g: %s, compute %.3g FLOP/s); %s is not used "
+                        "for loads%s until a re-measurement says otherwise (probed every "
+                        "%.2g-%.0f s)",
+                        name,
+                        kappa,
+                        rates,
+                        self._compute.flops_per_s,
+                        name,
+                        " or writes" if tier == NVME else "",
+                        _PROBE_FIRST_S,
+                        _PROBE_MAX_S,
+                    )
+            else:
+                self._bump(f"gate:{name}:opened")
+                if not self._fake:
+                    _log.info("kvstore tier manager: %s is in use again (kappa %.3g)", name, kappa)
+        if changed:
+            self._admit_epoch += 1  # cached NVMe admissions were decided under the old κ
+
+    def _bump_once(self, name: str) -> bool:
+        if self._counters.get(name):
+            return False
+        self._counters[name] = 1
+        return True
+
+    def _explore(self, now: float) -> None:
+        """Probe the load paths of each gated tier that nothing measured lately: a copy
+        of scratch buffers, or a read of one NVMe page (the probe page, written once,
+        where NVMe holds none). The wait between probes doubles while they confirm
+        the estimate, and starts over when one moves it."""
+        if self._fake or self._closed:
+            return
+        for tier in (DRAM, NVME):
+            if not self._gated[tier]:
+                continue
+            for name in LOAD_PATHS[tier]:
+                if name in self._probes_in_flight or name in self.config.bandwidth_bytes_per_s:
+                    continue
+                fit = self._bandwidth[name]
+                every = self._probe_every_s.get(name, _PROBE_FIRST_S)
+                if now - fit.last_sample_s < every or now < self._probe_due_s.get(name, 0.0):
+                    continue
+                try:
+                    started = self._submit_probe(name)
+                except Exception as e:  # a probe must never take the control loop down
+                    self._bump("probe:failures")
+                    self._stats_error = f"probe {name}: {e}"
+                    started = False
+                self._probe_due_s[name] = now + every
+                if started:
+                    self._bump("probe:" + name)
+
+    def _submit_probe(self, name: str) -> bool:
+        size = self._slot_bytes
+        if name == "nvme_read":
+            if self._store is None:
+                return False
+            key = next(
+                (
+                    r.key
+                    for r in self._orders[NVME].unordered()
+                    if r.state is _READY and r.nbytes == self.config.page_bytes
+                ),
+                None,
+            )
+            scratch = self._scratch("nvme", size)[0]
+            if key is None:
+                if not self._probe_written:
+                    name = "nvme_write"
+                    self._mover.nvme_write(
+                        self._store,
+                        [(_PROBE_KEY, scratch[: self.config.page_bytes], None)],
+                        priority=_BACKGROUND,
+                        tag=("probe", name, self._bandwidth["nvme_read"].rate),
+                    )
+                    self._probes_in_flight.add("nvme_read")
+                    return True
+                key = _PROBE_KEY
+            self._mover.nvme_read(
+                self._store,
+                [key],
+                [scratch[: self.config.page_bytes]],
+                priority=_BACKGROUND,
+                tag=("probe", name, self._bandwidth[name].rate),
+            )
+        else:
+            src, dst = self._scratch(name, size)
+            reps = max(1, (1 << 20) // size)  # at least 1 MiB a probe
+            self._mover.copy(
+                Path(name),
+                [(src, dst)] * reps,
+                priority=_BACKGROUND,
+                tag=("probe", name, self._bandwidth[name].rate),
+            )
+        self._probes_in_flight.add(name)
+        return True
+
+    def _scratch(self, name: str, size: int) -> tuple[Any, Any]:
+        """Probe buffers per path, allocated at the first probe and kept."""
+        pair = self._probe_scratch.get(name)
+        if pair is None:
+            import torch
+
+            cuda = self.config.device.startswith("cuda")
+            device = self.config.device
+            host = torch.full((size,), 1, dtype=torch.uint8, pin_memory=cuda)
+            if name == "nvme":
+                pair = (host, host)
+            elif cuda and name == "h2d":
+                pair = (host, torch.empty(size, dtype=torch.uint8, device=device))
+            elif cuda and name == "d2h":
+                pair = (torch.full((size,), 1, dtype=torch.uint8, device=device), host)
+            elif cuda and name == "d2d":
+                src = torch.full((size,), 1, dtype=torch.uint8, device=device)
+                pair = (src, torch.empty_like(src))
+            else:
+                pair = (host, torch.full((size,), 2, dtype=torch.uint8))
+            self._probe_scratch[name] = pair
+        return pair
+
+    def _probe_done(self, ticket: Ticket, name: str, rate_before: float) -> None:
+        if name == "nvme_write":
+            self._probes_in_flight.discard("nvme_read")
+            if ticket.error is None and ticket.results and ticket.results[0]:
+                self._probe_written = True
+                self._probe_due_s["nvme_read"] = 0.0  # read it back at the next cycle
+            return
+        self._probes_in_flight.discard(name)
+        if ticket.error is not None:
+            self._bump("probe:failures")
+            return
+        rate = self._bandwidth[name].rate
+        every = self._probe_every_s.get(name, _PROBE_FIRST_S)
+        if 0.5 <= rate / rate_before <= 2.0:
+            self._probe_every_s[name] = min(every * 2, _PROBE_MAX_S)  # confirmed
+        else:
+            self._probe_every_s[name] = _PROBE_FIRST_S  # it moved: look again soon
+
+
+def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None:
+    """Bytes/s of copying ``src`` into ``dst`` one ``page`` at a time: the median of
+    a few rounds, after one untimed round (first-touch faults, lazy CUDA init)."""
+    import torch
+
+    pairs = [
+        (src[offset : offset + page], dst[offset : offset + page])
+        for offset in range(0, src.numel() - page + 1, page)
+    ]
+    rates = []
+    for round_ in range(_CALIBRATE_ROUNDS + 1):
+        start = time.perf_counter()
+        for s, d in pairs:
+            d.copy_(s, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if round_ and seconds > 0:
+            rates.append(page * len(pairs) / seconds)
+    if not rates:
+        return None
+    rates.sort()
+    return float(rates[len(rates) // 2])
 
 
 class _ParsedStats(NamedTuple):
@@ -2219,6 +2618,36 @@ _LAYERS = {
     Path.NVME_READ: ("2", "1"),
 }
 _LATENCY_KEYS = {path: f"{a}->{b}" for path, (a, b) in _LAYERS.items()}
+
+
+# Counts the cost model multiplies (tokens, context): ints, well inside a float's
+# exact range, so FLOP counts stay finite.
+_MAX_COUNT = 1 << 40
+
+
+def _check_count(name: str, value: object, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not low <= value <= _MAX_COUNT:
+        raise ValueError(f"{name} must be {low}..{_MAX_COUNT}, got {value}")
+    return value
+
+
+def _check_ctx(ctx: object) -> RequestContext:
+    """``ctx`` or the empty context; a wrong type or a bad field raises, naming it."""
+    if ctx is None:
+        return _NO_CONTEXT
+    if not isinstance(ctx, RequestContext):
+        raise TypeError(f"ctx must be a RequestContext, not {type(ctx).__name__}")
+    if ctx.tokens is not None:
+        _check_count("ctx.tokens", ctx.tokens, low=0)
+    if ctx.deadline_s is not None and not (
+        isinstance(ctx.deadline_s, int | float) and math.isfinite(ctx.deadline_s)
+    ):
+        raise ValueError(f"ctx.deadline_s must be a finite number, got {ctx.deadline_s!r}")
+    if not isinstance(ctx.tag, str):
+        raise TypeError(f"ctx.tag must be a str, not {type(ctx.tag).__name__}")
+    return ctx
 
 
 def _byte_view(tensor: Any, what: str) -> Any:

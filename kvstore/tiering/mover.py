@@ -415,6 +415,17 @@ class _WorkQueue:
         return cancelled
 
 
+def _one_by_one(run: Callable[[int], list[int | None]], count: int) -> list[int | None]:
+    """``run(i)``'s single result for each i in ``range(count)``; None where it raised."""
+    results: list[int | None] = []
+    for i in range(count):
+        try:
+            results.append(run(i)[0])
+        except Exception:
+            results.append(None)
+    return results
+
+
 class _ThreadedMover(Mover):
     """Ticket bookkeeping shared by the real movers: the lock, completions, the two queues."""
 
@@ -502,9 +513,13 @@ class _ThreadedMover(Mover):
         def job(ticket: Ticket) -> None:
             try:
                 results = store.get_many_into(keys, arrays)
-            except Exception as e:  # the page is missing, never wrong
-                ticket.error = e
-                return
+            except Exception as e:
+                if len(keys) == 1:  # the page is missing, never wrong
+                    ticket.error = e
+                    return
+                # One bad page (a checksum, an I/O error) raised for the whole batch:
+                # read each page alone, so only the bad one is reported missing.
+                results = _one_by_one(lambda i: store.get_many_into([keys[i]], [arrays[i]]), count)
             ticket.results = results
             ticket.moved_bytes = sum(size for size in results if size is not None)
 
@@ -534,8 +549,18 @@ class _ThreadedMover(Mover):
             try:
                 stored = store.put_many(prepared)
             except Exception as e:
-                ticket.error = e
-                return
+                if len(prepared) == 1:
+                    ticket.error = e
+                    return
+                # The store refused the batch for one page (its key, its size, an I/O
+                # error): write each page alone, so the others are not lost with it.
+                stored = [
+                    bool(ok)
+                    for ok in _one_by_one(
+                        lambda i: [1 if store.put_many([prepared[i]])[0] else None],
+                        len(prepared),
+                    )
+                ]
             results: list[int | None] = [
                 size if ok else None for size, ok in zip(page_sizes, stored, strict=True)
             ]

@@ -283,12 +283,14 @@ class Admission:
 
     def admit(self, rec: PageRec, tier: int, seen: int, tau: float) -> bool:
         """Retained pages always enter; HBM always takes a page the engine just
-        computed; otherwise the mode decides (value density only where asked)."""
+        computed; otherwise the mode decides. Value density gates NVMe only: a
+        demotion into DRAM costs no wear, DRAM's order ranks what stays, and a load
+        plan decides per hit whether DRAM is worth loading from (docs/tiering.md)."""
         if rec.retained or tier == 0:
             return True
         mode = self.mode
         if mode == "value_density":
-            return self._value_density(rec, tier) >= tau
+            return tier == 1 or self._value_density(rec, tier) >= tau
         if mode == "all":
             return True
         if mode == "freq2":

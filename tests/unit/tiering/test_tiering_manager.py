@@ -253,9 +253,11 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
 
 def test_engine_mode_tracks_hbm_and_keeps_dram(tmp_path: Path) -> None:
     with TierManager.open(config(None, hbm="engine", hbm_bytes=1 << 30)) as tm:
-        tm.offer([b"e0", b"e1"], [page(0), page(1)])
+        offered = tm.offer([b"e0", b"e1"], [page(0), page(1)])
+        assert offered.tiers == (0, 0)  # the engine's HBM holds them
         tm.drain()
-        assert tm.lookup([b"e0", b"e1"]).pages_by_tier == (2, 0, 0)
+        # The manager cannot read the engine's GPU copy: it serves them from DRAM.
+        assert tm.lookup([b"e0", b"e1"]).pages_by_tier == (0, 2, 0)
         tm.notify_hbm_evicted([b"e0", b"e1"])
         result = tm.lookup([b"e0", b"e1"])
         assert result.pages_by_tier == (0, 2, 0)

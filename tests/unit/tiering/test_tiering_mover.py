@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvstore import ClosedError, KVStore
-from kvstore.errors import IOFailure
 from kvstore.testing.faults import FaultInjector
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.mover import (
@@ -291,7 +290,7 @@ def test_nvme_write_then_read_round_trip(mover: CPUMover, open_store: OpenStore)
     assert mover.in_flight_bytes() == 0
 
 
-def test_injected_read_eio_reports_every_page_missing(
+def test_injected_read_eio_reports_each_failing_page_missing(
     mover: CPUMover, store_path: FsPath, open_store: OpenStore
 ) -> None:
     store = open_store(io_engine="threadpool")
@@ -312,7 +311,9 @@ def test_injected_read_eio_reports_every_page_missing(
         )
         assert read.wait(WAIT_S)
         injector.armed = False
-    assert isinstance(read.error, IOFailure)
+    # The batch read failed, then each page was read alone: each failed too (the
+    # fault is persistent), so each is reported missing, none raised for the ticket.
+    assert read.error is None
     assert read.results == [None, None]
     assert read.moved_bytes == 0
     assert injector.failed  # the fault did fire
