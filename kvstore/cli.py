@@ -681,7 +681,18 @@ def tier_stat(path: Path, as_json: bool, top: int) -> None:
 def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
     saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary["saved_at_unix_s"]))
     tiers = Table(title=f"kvstore tier {file}")
-    for column in ("tier", "pages", "used", "capacity", "hits", "hit rate", "tau (s/B)", "kappa"):
+    columns = (
+        "tier",
+        "pages",
+        "used",
+        "capacity",
+        "hits",
+        "hit rate",
+        "tau (s/B)",
+        "kappa",
+        "in use",
+    )
+    for column in columns:
         tiers.add_column(column, justify="left" if column == "tier" else "right")
     for name, row in summary["tiers"].items():
         tiers.add_row(
@@ -693,6 +704,7 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
             _percent(row["hit_rate"]),
             f"{row['tau_s_per_byte']:.3e}",
             f"{row['kappa']:.2f}",
+            "yes" if row["in_use"] else "no (kappa < 1: recomputing is faster)",
         )
     console.print(tiers)
     overall = Table(show_header=False)

@@ -85,8 +85,8 @@ _WARM_BATCH = 16
 _WARMUP_SAMPLES = 2  # a real mover's first samples per path, discarded
 # Exploration: a gated path is probed after this long without a sample, the wait
 # doubling (to the cap) while probes confirm the estimate.
-_PROBE_FIRST_S = 0.25
-_PROBE_MAX_S = 30.0
+_PROBE_FIRST_S = 0.1
+_PROBE_MAX_S = 5.0
 _CALIBRATE_BYTES = 32 << 20  # per copy path at open: past a CPU's cache, past timer ticks
 _CALIBRATE_ROUNDS = 3
 _PROBE_KEY = b"\x00kvstore-tier-probe"  # the NVMe probe page (no kvt meta: not a page)
@@ -997,6 +997,11 @@ class TierManager:
                 placement=self.config.placement,
                 admission=self.config.admission,
                 eviction=self.config.eviction,
+                in_use=(
+                    True,
+                    bool(self._capacity[DRAM]) and kappa[DRAM] >= 1.0,
+                    bool(self._capacity[NVME]) and kappa[NVME] >= 1.0,
+                ),
             )
 
     def metrics_registry(self) -> Any:
@@ -1026,12 +1031,23 @@ class TierManager:
                 xfer = self.cost.transfer_s(tier, rec.nbytes)
                 vd = self._value_density(rec, tier)
                 kappa = rec_s / xfer if xfer > 0 else math.inf
+                admits = self._admission.admit(rec, tier, 0, self._tau.tau[tier])
                 lines.append(
                     f"  {TIER_NAMES[tier]:>4}: load {xfer * 1e3:.3f} ms, kappa {kappa:.2f}, "
                     f"VD {vd:.3e} s/B vs tau {self._tau.tau[tier]:.3e} -> "
-                    f"{'admit' if vd >= self._tau.tau[tier] else 'decline'}"
+                    f"{'admit' if admits else 'decline'}"
                     f"{'  (resident)' if rec.in_tier(tier) else ''}"
                 )
+                tier_kappa = self.cost.kappa(tier, self.config.page_bytes)
+                if tier and self._capacity[tier] and tier_kappa < 1.0:
+                    paths = ", ".join(
+                        f"{p} {self._bandwidth[p].rate / 1e6:.1f} MB/s" for p in LOAD_PATHS[tier]
+                    )
+                    lines.append(
+                        f"        {TIER_NAMES[tier]} not in use: loading a page is measured "
+                        f"slower than recomputing it (kappa {tier_kappa:.3g} < 1: {paths}, "
+                        f"C_eff {self._compute.flops_per_s:.3g} FLOP/s); probes re-measure it"
+                    )
             lines.append(
                 f"  last access {now - rec.last_access_s:.3f} s ago, decayed hits "
                 f"{rec.hits:.2f}, pins {rec.pins}, retained {rec.retained}, "
@@ -1554,7 +1570,11 @@ class TierManager:
         if not self._admits_nvme(rec):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
-            self._bump("admission:nvme:below_tau")
+            # Why: every page is below a κ < 1 (loading slower than recomputing), or
+            # this one's value density is below τ.
+            self._bump(
+                "admission:nvme:kappa_below_1" if self._gated[NVME] else "admission:nvme:below_tau"
+            )
             self._forget_if_gone(rec)
             return True
         if self._write_paced():
@@ -2151,7 +2171,8 @@ class TierManager:
             if name in self._bandwidth and name not in self.config.bandwidth_bytes_per_s:
                 self._bandwidth[name].rate = rate
                 self._bandwidth[name].latency_s = latency_s
-        self._compute.flops_per_s = parsed.compute_flops
+        if self.config.compute_flops is None:  # a configured C_eff is the operator's
+            self._compute.flops_per_s = parsed.compute_flops
         now = self._now()
         heat = []
         for key, hits, age_s in parsed.heat:
@@ -2487,12 +2508,18 @@ class TierManager:
         if ticket.error is not None:
             self._bump("probe:failures")
             return
+        # What this probe measured against what the estimate says: a probe that
+        # agrees lets the next wait double; one that disagrees (held by the fit as an
+        # outlier until others confirm it, or discarded as a cold sample) or that
+        # moved the estimate brings the next probe soon.
+        seconds = ticket.seconds()
         rate = self._bandwidth[name].rate
+        measured = ticket.moved_bytes / seconds if seconds and seconds > 0 else rate
         every = self._probe_every_s.get(name, _PROBE_FIRST_S)
-        if 0.5 <= rate / rate_before <= 2.0:
-            self._probe_every_s[name] = min(every * 2, _PROBE_MAX_S)  # confirmed
+        if 0.5 <= rate / rate_before <= 2.0 and 0.5 <= measured / rate <= 2.0:
+            self._probe_every_s[name] = min(every * 2, _PROBE_MAX_S)
         else:
-            self._probe_every_s[name] = _PROBE_FIRST_S  # it moved: look again soon
+            self._probe_every_s[name] = _PROBE_FIRST_S
 
 
 def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None:

@@ -99,6 +99,12 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
         ),
     ):
         yield _per_tier(name, documentation, values)
+    yield _per_tier(
+        "kvstore_tier_in_use",
+        "1 where the tier is used for loads (HBM always; DRAM and NVMe while kappa >= 1), "
+        "0 where loading from it is measured slower than recomputing",
+        tuple(1.0 if used else 0.0 for used in stats.in_use),
+    )
     yield _split_counter(
         "kvstore_tier_admissions",
         "Admission decisions by tier and decision (admitted, below_tau, full, ...)",

@@ -197,3 +197,7 @@ class TierStats:
     placement: str
     admission: str
     eviction: str
+    # Per tier: used for loads (HBM always; DRAM and NVMe while κ >= 1: loading from
+    # them is measured faster than recomputing). A tier out of use is re-measured by
+    # probes (docs/tiering.md, "Measurements").
+    in_use: tuple[bool, bool, bool] = (True, True, True)

@@ -228,6 +228,7 @@ def summarize(
             "hit_rate": _ratio(hits[index], hits[index] + misses),
             "tau_s_per_byte": float(data["tau"]["tau"][index]),
             "kappa": float(summary["kappa"][index]),
+            "in_use": in_use(index, float(summary["kappa"][index]), capacity),
         }
     saved = float(data["saved_at_unix_s"])
     classes = sorted(
@@ -272,6 +273,12 @@ def summarize(
         "top_reuse_classes": classes[:top],
         "counters": dict(sorted(summary["counters"].items())),
     }
+
+
+def in_use(tier: int, kappa: float, capacity: int) -> bool:
+    """Whether a tier is used for loads: HBM always; DRAM and NVMe where they exist
+    and loading from them is faster than recomputing (κ >= 1)."""
+    return tier == 0 or (capacity > 0 and kappa >= 1.0)
 
 
 def _ratio(part: int, whole: int) -> float | None:
@@ -322,6 +329,11 @@ def stats_view_from_file(data: Mapping[str, Any]) -> TierStats:
         placement="",
         admission="",
         eviction="",
+        in_use=(
+            in_use(0, 0.0, 0),
+            in_use(1, float(summary["kappa"][1]), int(summary["capacity_bytes"][1])),
+            in_use(2, float(summary["kappa"][2]), int(summary["capacity_bytes"][2])),
+        ),
     )
 
 
