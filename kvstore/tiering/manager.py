@@ -2432,33 +2432,32 @@ class TierManager:
     def _submit_probe(self, name: str) -> bool:
         size = self._slot_bytes
         if name == "nvme_read":
+            # A read as a load does it: a chunk of pages in one ticket (queue depth,
+            # not one page's latency), of full pages NVMe holds, else the probe page.
             if self._store is None:
                 return False
-            key = next(
-                (
-                    r.key
-                    for r in self._orders[NVME].unordered()
-                    if r.state is _READY and r.nbytes == self.config.page_bytes
-                ),
-                None,
-            )
-            scratch = self._scratch("nvme", size)[0]
-            if key is None:
+            page = self.config.page_bytes
+            keys = [
+                r.key
+                for r in self._orders[NVME].unordered()[: 4 * _READ_CHUNK_PAGES]
+                if r.state is _READY and r.nbytes == page
+            ][:_READ_CHUNK_PAGES]
+            scratch = self._scratch("nvme", size * _READ_CHUNK_PAGES)[0]
+            if not keys:
                 if not self._probe_written:
-                    name = "nvme_write"
                     self._mover.nvme_write(
                         self._store,
-                        [(_PROBE_KEY, scratch[: self.config.page_bytes], None)],
+                        [(_PROBE_KEY, scratch[:page], None)],
                         priority=_BACKGROUND,
-                        tag=("probe", name, self._bandwidth["nvme_read"].rate),
+                        tag=("probe", "nvme_write", self._bandwidth["nvme_read"].rate),
                     )
                     self._probes_in_flight.add("nvme_read")
                     return True
-                key = _PROBE_KEY
+                keys = [_PROBE_KEY] * _READ_CHUNK_PAGES
             self._mover.nvme_read(
                 self._store,
-                [key],
-                [scratch[: self.config.page_bytes]],
+                keys,
+                [scratch[i * size : i * size + page] for i in range(len(keys))],
                 priority=_BACKGROUND,
                 tag=("probe", name, self._bandwidth[name].rate),
             )
