@@ -681,18 +681,7 @@ def tier_stat(path: Path, as_json: bool, top: int) -> None:
 def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
     saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary["saved_at_unix_s"]))
     tiers = Table(title=f"kvstore tier {file}")
-    columns = (
-        "tier",
-        "pages",
-        "used",
-        "capacity",
-        "hits",
-        "hit rate",
-        "tau (s/B)",
-        "kappa",
-        "in use",
-    )
-    for column in columns:
+    for column in ("tier", "pages", "used", "capacity", "hits", "hit rate", "tau (s/B)", "kappa"):
         tiers.add_column(column, justify="left" if column == "tier" else "right")
     for name, row in summary["tiers"].items():
         tiers.add_row(
@@ -704,9 +693,14 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
             _percent(row["hit_rate"]),
             f"{row['tau_s_per_byte']:.3e}",
             f"{row['kappa']:.2f}",
-            "yes" if row["in_use"] else "no (kappa < 1: recomputing is faster)",
         )
     console.print(tiers)
+    for name, row in summary["tiers"].items():
+        if not row["in_use"] and row["capacity_bytes"]:
+            console.print(
+                f"{name} is not in use: loading a page from it is measured slower than "
+                f"recomputing it (kappa {row['kappa']:.3g} < 1); the manager re-measures it"
+            )
     overall = Table(show_header=False)
     for name, value in (
         ("saved", f"{saved} ({summary['saved_age_s']:,.0f} s ago)"),

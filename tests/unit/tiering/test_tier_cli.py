@@ -198,3 +198,19 @@ def test_the_exporter_serves_tier_metrics_beside_the_stores(
         assert "kvstore_tier_" not in text
     finally:
         stop(child)
+
+
+def test_a_tier_out_of_use_says_so_in_stat_and_metrics(tmp_path: Path) -> None:
+    data = stats_data()
+    data["summary"]["kappa"] = [12.0, 6.0, 0.25]  # NVMe measured slower than recompute
+    write_stats(tmp_path, data)
+    table = run("tier", "stat", str(tmp_path))
+    assert table.exit_code == 0, table.output
+    assert "nvme is not in use" in table.stdout and "kappa 0.25 < 1" in table.stdout
+    assert "dram is not in use" not in table.stdout
+    out = json.loads(run("tier", "stat", str(tmp_path), "--json").stdout)
+    assert [out["tiers"][t]["in_use"] for t in ("hbm", "dram", "nvme")] == [True, True, False]
+    metrics = run("tier", "metrics", str(tmp_path)).stdout
+    assert lint_exposition(metrics) == []
+    assert 'kvstore_tier_in_use{tier="nvme"} 0.0' in metrics
+    assert 'kvstore_tier_in_use{tier="dram"} 1.0' in metrics
