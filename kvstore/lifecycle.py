@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -52,7 +53,7 @@ from kvstore.io.buffers import BufferPool
 from kvstore.io.engine import make_engine, resolve_choice
 from kvstore.io.files import fsync_dir, probe_direct_io, probe_direct_read, write_file_durably
 from kvstore.log.journal import Journal
-from kvstore.log.regular import read_regular
+from kvstore.log.regular import directory_error, read_regular, require_directory
 from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import (
     Segment,
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_config",
+    "check_layout",
     "choose_active_segment",
     "create_store",
     "finish_index_swap",
@@ -384,13 +386,53 @@ def prepare(
         )
     except TypeError as e:
         raise TypeError(f"unknown store option: {e}") from None
-    creating = not (root / SUPERBLOCK_NAME).exists()
+    creating = not check_layout(root)
     check_config(config, probe_engine=creating and create and not readonly)
     if creating:
         if not create or readonly:
             raise StoreNotFoundError(f"no kvstore at {root}")
         create_store(root, config)
     return root, config
+
+
+def check_layout(root: Path) -> bool:
+    """Whether a store is at ``root`` (its superblock is there); ``IOFailure`` for a
+    damaged layout that no later step could report as more than a bare ``OSError``.
+
+    The one place the open checks its directories, before it reads, creates or
+    probes anything in them: a symlink loop as (or on the way to) the root, the
+    superblock or ``segments/``, ``wal/``, ``index/``, or one of those three that
+    is a regular file (FIFO, device, socket) instead of a directory. The message
+    names the path, what is wrong and the fix; nothing is changed. What is missing
+    passes: no root or no superblock is no store (refused, or created), and a
+    missing (or dangling) directory is reported by the step that needs it, as
+    before (``kvstore recover`` rebuilds ``wal/`` and ``index/``).
+    """
+    try:
+        mode = os.stat(root).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise directory_error(root, e) from e
+    if not stat.S_ISDIR(mode):
+        return False  # no store: the open says so, and create_store refuses it
+    superblock = root / SUPERBLOCK_NAME
+    try:
+        os.stat(superblock)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            message = (
+                f"{superblock} is a symlink loop, not the store's superblock (kvstore "
+                "changed nothing): restore it from a backup of this store"
+            )
+        else:
+            message = f"cannot check {superblock}"
+        raise IOFailure(message, e.errno) from e
+    for name in (SEGMENTS_DIR, WAL_DIR, INDEX_DIR):
+        require_directory(root / name)
+    return True
 
 
 def read_superblock(root: Path) -> Superblock:
@@ -456,9 +498,28 @@ def create_store(root: Path, config: StoreConfig) -> None:
     """Build a new store under a temporary name, then rename it into place.
 
     A crash at any point leaves either no store or a whole one (a leftover
-    ``.<name>.creating-*`` directory is ignored and may be removed).
+    ``.<name>.creating-*`` directory is ignored and may be removed). ``root`` may be
+    a symlink to an empty directory: the store is made there (the rename would
+    replace the link itself). An ``OSError`` is raised as ``IOFailure``.
     """
     root = root.absolute()
+    if root.is_symlink():
+        target = Path(os.path.realpath(root))
+        if not target.exists():
+            raise IOFailure(
+                f"{root} is a symlink to {target}, which does not exist (kvstore changed "
+                "nothing): create that directory, or pass another path",
+                errno.ENOENT,
+            )
+        root = target
+    try:
+        _build_store(root, config)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != root else ""
+        raise IOFailure(f"cannot create a store at {root}{where}", e.errno) from e
+
+
+def _build_store(root: Path, config: StoreConfig) -> None:
     if root.exists():
         if not root.is_dir():
             raise ValueError(f"{root} exists and is not a directory")

@@ -103,7 +103,7 @@ from kvstore.index.table import (
     Tombstone,
 )
 from kvstore.io.files import acquire_writer_lock, fsync_dir, write_file_durably
-from kvstore.log.regular import read_regular, require_regular
+from kvstore.log.regular import read_regular, require_directory, require_regular
 from kvstore.log.segments import rewrite_segment_header
 from kvstore.log.wal import WalWriter, scan_repairing
 
@@ -346,6 +346,10 @@ def recover_store(
     report = RecoveryReport(str(root), dry_run, salvage)
     if rebuilt is not None:
         report.notes.append(superblock_note if not dry_run else f"would rebuild: {superblock_note}")
+    # A symlink loop or a file in place of either, refused before anything is moved
+    # (a missing wal/ is rebuilt; a non-directory index/ is moved aside by the swap).
+    for name in (SEGMENTS_DIR, WAL_DIR):
+        require_directory(root / name)
     require_regular(root / LOCK_NAME)
     lock_fd = acquire_writer_lock(root, record_pid=not dry_run)
     try:
@@ -1031,11 +1035,13 @@ def _swap(root: Path, stage: Path, ts: str) -> list[str]:
     """Move the old index and WAL aside and the staged ones in; each step is idempotent."""
     moved: list[str] = []
     try:
-        if (stage / INDEX_DIR).exists() and (root / INDEX_DIR).exists():
+        # lexists: a symlink loop or dangling link is moved aside too (exists() says
+        # False for it, and renaming a directory onto it fails with ENOTDIR).
+        if (stage / INDEX_DIR).exists() and os.path.lexists(root / INDEX_DIR):
             aside = _unique(root / f"{INDEX_DIR}.damaged-{ts}")
             os.rename(root / INDEX_DIR, aside)
             moved.append(aside.name)
-        if (stage / WAL_DIR).exists() and (root / WAL_DIR).exists():
+        if (stage / WAL_DIR).exists() and os.path.lexists(root / WAL_DIR):
             aside = _unique(root / f"{WAL_DIR}.damaged-{ts}")
             os.rename(root / WAL_DIR, aside)
             moved.append(aside.name)

@@ -7,19 +7,32 @@ file is never; a device or socket is no store file either. So every store file
 opens itself are opened with O_NONBLOCK and checked again with fstat(2) (no
 window in which the name could be swapped for a FIFO). Symbolic links are
 followed: a link to a regular file is a regular file.
+
+The store's directories (the root, ``segments/``, ``wal/``, ``index/``) are checked
+the same way by ``require_directory``: a symlink loop, or a file where a directory
+belongs, is refused with ``IOFailure`` naming the path and what is wrong, before any
+call that would fail on it with a bare ``OSError``.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
 from pathlib import Path
 
 from kvstore.errors import IOFailure, NotRegularFileError
-from kvstore.format.names import LOCK_NAME, SUPERBLOCK_NAME
+from kvstore.format.names import INDEX_DIR, LOCK_NAME, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
 
-__all__ = ["file_kind", "open_regular", "read_regular", "require_regular"]
+__all__ = [
+    "directory_error",
+    "file_kind",
+    "open_regular",
+    "read_regular",
+    "require_directory",
+    "require_regular",
+]
 
 
 def file_kind(mode: int) -> str:
@@ -61,6 +74,56 @@ def require_regular(path: Path) -> None:
         return
     if not stat.S_ISREG(mode):
         raise _refuse(path, mode)
+
+
+def _directory_fix(path: Path) -> str:
+    if path.name == SEGMENTS_DIR:
+        return "put the store's segments/ back: it holds the pages"
+    if path.name in (WAL_DIR, INDEX_DIR):
+        return (
+            f"put the store's {path.name}/ back, or move this aside and run `kvstore recover PATH`"
+        )
+    return "fix the link, or pass the store directory's own path"
+
+
+def directory_error(path: Path, error: OSError) -> IOFailure:
+    """The ``IOFailure`` for a store directory ``path`` that stat(2) failed on: a symlink
+    loop is named as one (and the fix given); any other errno is reported as it is."""
+    if error.errno != errno.ELOOP:
+        return IOFailure(f"cannot check the directory {path}", error.errno)
+    if not os.path.islink(path):
+        return IOFailure(
+            f"{path} cannot be reached: a symlink on its path loops (kvstore changed "
+            "nothing): fix that link",
+            error.errno,
+        )
+    return IOFailure(
+        f"{path} is a symlink loop, not a directory (kvstore changed nothing): "
+        f"{_directory_fix(path)}",
+        error.errno,
+    )
+
+
+def require_directory(path: Path) -> None:
+    """Raise ``IOFailure`` if ``path`` exists and is no directory, or cannot be reached.
+
+    A symlink loop (``errno`` ELOOP) or a regular file, FIFO, device or socket
+    (ENOTDIR) where a store directory belongs: the message names the path, what is
+    there and the fix. Nothing is changed. A missing path passes (the caller reports
+    it as it always did), and so does a dangling link.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise directory_error(path, e) from e
+    if not stat.S_ISDIR(mode):
+        raise IOFailure(
+            f"{path} is {file_kind(mode)}, not a directory (kvstore changed nothing): "
+            f"{_directory_fix(path)}",
+            errno.ENOTDIR,
+        )
 
 
 def open_regular(path: Path, flags: int) -> int:
