@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import operator
-import os
 import threading
 import time
 from collections import deque
@@ -33,8 +32,6 @@ from typing import Any, NamedTuple
 
 from kvstore.errors import ClosedError, IOFailure, KVStoreError
 from kvstore.format.constants import MAX_INDEX_KEY_BYTES
-from kvstore.format.names import TIERING_STATS_NAME
-from kvstore.io.files import fsync_dir
 from kvstore.log.regular import read_regular
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.config import TierConfig
@@ -65,13 +62,18 @@ from kvstore.tiering.results import (
     RequestContext,
     TierStats,
 )
+from kvstore.tiering.statsfile import (
+    STATS_FILE,
+    STATS_VERSION,
+    parse_for_manager,
+    snapshot,
+    write_stats_file,
+)
 
 __all__ = ["STATS_FILE", "STATS_VERSION", "TierManager"]
 
 _log = logging.getLogger("kvstore.tiering")
 
-STATS_FILE = TIERING_STATS_NAME
-STATS_VERSION = 1
 META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: format 1)
 OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
 _HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
@@ -2159,7 +2161,7 @@ class TierManager:
             self._stats_error = f"{path}: {e}"
             return
         try:
-            parsed = _parse_stats(json.loads(raw), str(path))
+            parsed = parse_for_manager(json.loads(raw), str(path))
         except (OSError, ValueError, RecursionError, KVStoreError) as e:
             self._bump("restart:stats_unreadable")
             self._stats_error = f"{path}: {e}"
@@ -2169,8 +2171,7 @@ class TierManager:
         for name, (rate, latency_s) in parsed.bandwidth.items():
             # A path the configuration sets is the operator's number, not a seed.
             if name in self._bandwidth and name not in self.config.bandwidth_bytes_per_s:
-                self._bandwidth[name].rate = rate
-                self._bandwidth[name].latency_s = latency_s
+                self._bandwidth[name].set(rate, latency_s)
         if self.config.compute_flops is None:  # a configured C_eff is the operator's
             self._compute.flops_per_s = parsed.compute_flops
         now = self._now()
@@ -2194,15 +2195,13 @@ class TierManager:
     def _stats_snapshot(self) -> dict[str, Any]:
         now = self._now()
         hottest = sorted(self._pages.values(), key=lambda r: -r.hits)[:_HEAT_PAGES]
-        return {
-            "version": STATS_VERSION,
-            "saved_at_unix_s": time.time(),
-            "reuse": self._reuse.to_json(),
-            "tau": self._tau.to_json(),
-            "bandwidth": {p: b.to_json() for p, b in self._bandwidth.items()},
-            "compute_flops": self._compute.flops_per_s,
-            "heat": [[r.key.hex(), r.hits, max(now - r.last_access_s, 0.0)] for r in hottest],
-            "summary": {
+        return snapshot(
+            reuse=self._reuse.to_json(),
+            tau=self._tau.to_json(),
+            bandwidth={p: b.to_json() for p, b in self._bandwidth.items()},
+            compute_flops=self._compute.flops_per_s,
+            heat=[[r.key.hex(), r.hits, max(now - r.last_access_s, 0.0)] for r in hottest],
+            summary={
                 "pages_by_tier": list(self._count),
                 "used_bytes": list(self._used),
                 "capacity_bytes": list(self._capacity),
@@ -2214,30 +2213,14 @@ class TierManager:
                 "counters": dict(self._counters),
                 "kappa": [self.cost.kappa(t, self.config.page_bytes) for t in range(3)],
             },
-        }
+        )
 
-    def _write_stats(self, snapshot: dict[str, Any]) -> None:
-        """Atomically: a temporary file, fsync, rename, fsync the directory."""
+    def _write_stats(self, data: dict[str, Any]) -> None:
         path = self._stats_path
         if path is None:
             return
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            data = json.dumps(snapshot, separators=(",", ":")).encode()
-            # The temporary name is ours: whatever is there (a stale file, a FIFO that
-            # would block the open for ever, a link) is removed, then created anew.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            write_stats_file(path, data)
         except (OSError, IOFailure) as e:
             self._bump("stats:save_failures")
             self._stats_error = f"{path}: {e}"
@@ -2544,60 +2527,6 @@ def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None
         return None
     rates.sort()
     return float(rates[len(rates) // 2])
-
-
-class _ParsedStats(NamedTuple):
-    """The statistics file's fields the manager applies, every one checked."""
-
-    reuse: list[list[object]]
-    tau: dict[str, list[float]]
-    bandwidth: dict[str, tuple[float, float]]  # path -> (bytes/s, latency s)
-    compute_flops: float
-    heat: list[tuple[bytes, float, float]]  # key, decayed hits, age s
-
-
-def _finite(value: object, *, positive: bool = False) -> bool:
-    """A finite number >= 0 (> 0 with ``positive``); never a bool."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
-
-
-def _parse_stats(data: object, where: str) -> _ParsedStats:
-    """``data`` checked before anything is applied: the shape by the reader's
-    ``check_stats``, then the values (rates and C_eff > 0, three finite τ values each,
-    hex keys). Raises ValueError or a ``KVStoreError`` naming ``where``."""
-    from kvstore.tiering.statsfile import check_stats
-
-    checked = check_stats(data, where)
-    reuse = checked["reuse"]
-    if not all(_finite(row[3]) and _finite(row[4]) for row in reuse):
-        raise ValueError(f"{where}: a reuse count is negative or not finite")
-    tau: dict[str, list[float]] = {}
-    for name in ("tau", "gain", "victim_vd"):
-        values = checked["tau"].get(name)
-        finite = isinstance(values, list) and all(
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            for v in values
-        )
-        if not finite or len(values) != 3:
-            raise ValueError(f"{where}: tau.{name} is not three finite numbers")
-        tau[name] = [float(v) for v in values]
-    bandwidth = {}
-    for name, fit in checked["bandwidth"].items():
-        rate, latency_s = fit["bytes_per_s"], fit["latency_s"]
-        if not (_finite(rate, positive=True) and _finite(latency_s)):
-            raise ValueError(f"{where}: bandwidth.{name} is not a rate > 0 and a latency >= 0")
-        bandwidth[name] = (float(rate), float(latency_s))
-    compute_flops = checked["compute_flops"]
-    if not _finite(compute_flops, positive=True):
-        raise ValueError(f"{where}: compute_flops {compute_flops!r} is not > 0")
-    heat = []
-    for hex_key, hits, age_s in checked["heat"]:
-        if not (isinstance(hex_key, str) and _finite(hits) and _finite(age_s)):
-            raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
-        heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
-    return _ParsedStats(reuse, tau, bandwidth, float(compute_flops), heat)
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)

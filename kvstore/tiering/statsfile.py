@@ -1,11 +1,12 @@
-"""The tier manager's persisted statistics, ``<nvme_path>/tiering-stats.json``, read back.
+"""The tier manager's persisted statistics, ``<nvme_path>/tiering-stats.json``: the whole format.
 
 The manager replaces the file atomically every ``persist_stats_s`` and on close
-(../TIERING.md, "Restart"); this module reads it for ``kvstore tier stat`` and
-``kvstore tier metrics`` and for the exporter, beside a live manager. It never
-writes the file and never imports torch (nor the manager, which does).
+(docs/tiering.md, "Restart") through ``snapshot`` and ``write_stats_file``, and applies
+it at open through ``parse_for_manager``; ``kvstore tier stat``, ``kvstore tier
+metrics`` and the exporter read it beside a live manager. This module never imports
+torch (nor the manager, which does).
 
-Format, version 1 (JSON, one object; the writer is ``TierManager._stats_snapshot``)::
+Format, version 1 (JSON, one object; built by ``snapshot``)::
 
     version          1
     saved_at_unix_s  float: when it was written (wall clock)
@@ -26,33 +27,41 @@ floats (``Infinity``: a κ with a free transfer) are read as written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError, NotRegularFileError
+from kvstore.format.names import TIERING_STATS_NAME
+from kvstore.io.files import fsync_dir
 from kvstore.log.regular import read_regular
 from kvstore.tiering.results import TierStats
 
 __all__ = [
     "STATS_FILE",
     "STATS_VERSION",
+    "ManagerStats",
     "TierStatsCorruptError",
     "TierStatsNotFoundError",
     "TierStatsVersionError",
     "check_stats",
     "finite_or_none",
+    "parse_for_manager",
     "read_stats_file",
     "reuse_probability",
+    "snapshot",
     "stats_file_of",
     "stats_view_from_file",
     "summarize",
+    "write_stats_file",
 ]
 
-STATS_FILE = "tiering-stats.json"  # the manager's name for it (manager.STATS_FILE)
+STATS_FILE = TIERING_STATS_NAME
 STATS_VERSION = 1
 TIER_NAMES = ("hbm", "dram", "nvme")
 REUSE_PRIOR = (1.0, 3.0)  # the manager's default Beta prior (TierConfig.reuse_prior)
@@ -358,3 +367,101 @@ def finite_or_none(value: Any) -> Any:
     if isinstance(value, list):
         return [finite_or_none(v) for v in value]
     return value
+
+
+# -- the manager's side: write, and parse what it applies at open --------------------
+
+
+def snapshot(
+    *,
+    reuse: list[list[object]],
+    tau: Mapping[str, list[float]],
+    bandwidth: Mapping[str, Mapping[str, float]],
+    compute_flops: float,
+    heat: list[list[object]],
+    summary: Mapping[str, Any],
+) -> dict[str, Any]:
+    """One version-1 statistics object, stamped with the wall clock."""
+    return {
+        "version": STATS_VERSION,
+        "saved_at_unix_s": time.time(),
+        "reuse": reuse,
+        "tau": dict(tau),
+        "bandwidth": dict(bandwidth),
+        "compute_flops": compute_flops,
+        "heat": heat,
+        "summary": dict(summary),
+    }
+
+
+def write_stats_file(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomically: a temporary file, fsync, rename, fsync the directory. Raises
+    ``OSError`` or ``IOFailure``; the old file stays whole on any failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    body = json.dumps(data, separators=(",", ":")).encode()
+    # The temporary name is ours: whatever is there (a stale file, a FIFO that would
+    # block the open for ever, a link) is removed, then created anew.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class ManagerStats(NamedTuple):
+    """The statistics file's fields the manager applies, every one checked."""
+
+    reuse: list[list[object]]
+    tau: dict[str, list[float]]
+    bandwidth: dict[str, tuple[float, float]]  # path -> (bytes/s, latency s)
+    compute_flops: float
+    heat: list[tuple[bytes, float, float]]  # key, decayed hits, age s
+
+
+def _finite_number(value: object, *, positive: bool = False) -> bool:
+    """A finite number >= 0 (> 0 with ``positive``); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+def parse_for_manager(data: object, where: str) -> ManagerStats:
+    """``data`` checked before anything is applied: the shape by the reader's
+    ``check_stats``, then the values (rates and C_eff > 0, three finite τ values each,
+    hex keys). Raises ValueError or a ``KVStoreError`` naming ``where``."""
+    checked = check_stats(data, where)
+    reuse = checked["reuse"]
+    if not all(_finite_number(row[3]) and _finite_number(row[4]) for row in reuse):
+        raise ValueError(f"{where}: a reuse count is negative or not finite")
+    tau: dict[str, list[float]] = {}
+    for name in ("tau", "gain", "victim_vd"):
+        values = checked["tau"].get(name)
+        finite = isinstance(values, list) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            for v in values
+        )
+        if not finite or len(values) != 3:
+            raise ValueError(f"{where}: tau.{name} is not three finite numbers")
+        tau[name] = [float(v) for v in values]
+    bandwidth = {}
+    for name, fit in checked["bandwidth"].items():
+        rate, latency_s = fit["bytes_per_s"], fit["latency_s"]
+        if not (_finite_number(rate, positive=True) and _finite_number(latency_s)):
+            raise ValueError(f"{where}: bandwidth.{name} is not a rate > 0 and a latency >= 0")
+        bandwidth[name] = (float(rate), float(latency_s))
+    compute_flops = checked["compute_flops"]
+    if not _finite_number(compute_flops, positive=True):
+        raise ValueError(f"{where}: compute_flops {compute_flops!r} is not > 0")
+    heat = []
+    for hex_key, hits, age_s in checked["heat"]:
+        if not (isinstance(hex_key, str) and _finite_number(hits) and _finite_number(age_s)):
+            raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
+        heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
+    return ManagerStats(reuse, tau, bandwidth, float(compute_flops), heat)
