@@ -54,7 +54,8 @@ def main() -> int:
                             f"{page >> 10:5} KiB busy={busy} {name:22} resident "
                             f"{outcome.resident:3}/{outcome.offered} "
                             f"kappa=({', '.join(f'{k:.3g}' for k in outcome.kappa)}) "
-                            f"in use after {outcome.in_use_after_s} s",
+                            f"open {outcome.open_s:.2f} s, every tier in use "
+                            f"{outcome.in_use_after_s} s after it",
                             flush=True,
                         )
     # The verdict is over the CPU-class cases; with a GPU's C_eff on this CPU host a

@@ -58,7 +58,10 @@ class Outcome:
     resident: int
     kappa: tuple[float, float, float]
     in_use: tuple[bool, bool, bool]
-    in_use_after_s: float | None  # every tier in use this long after the open (None: not in 10 s)
+    in_use_after_s: (
+        float | None
+    )  # every tier in use this long after open returned (None: not in 10 s)
+    open_s: float  # how long TierManager.open took (calibration included)
     seconds: float
     bandwidth_mb_s: dict[str, float] = field(default_factory=dict)
 
@@ -195,6 +198,8 @@ def run_case(case: Case, path: str | None = None, *, chains: int = CHAINS) -> Ou
         start = time.monotonic()
         watch: list[float | None] = [None]
         with TierManager.open(config(store, case)) as tm:
+            open_s = time.monotonic() - start
+            start = time.monotonic()
             # The recovery window: a tier a bad measurement took out of use is probed
             # back (within seconds); the chains are offered after it (or after 10 s).
             deadline = time.monotonic() + 10
@@ -218,6 +223,7 @@ def run_case(case: Case, path: str | None = None, *, chains: int = CHAINS) -> Ou
         kappa=stats.kappa,
         in_use=stats.in_use,
         in_use_after_s=watch[0],
+        open_s=open_s,
         seconds=seconds,
         bandwidth_mb_s={
             name: round(rate / 1e6, 1) for name, rate in stats.bandwidth_bytes_per_s.items()
