@@ -26,7 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # in a row, right after installing, leave a cache that stays valid.
 WARM_LIBURING = $(BIN)/python -c "import liburing" >/dev/null 2>&1; $(BIN)/python -c "import liburing" >/dev/null 2>&1 || true
 
-.PHONY: run test lint typecheck unit crash unit-and-crash engines test-bindings integ bench bench-full torture clean
+.PHONY: run test lint typecheck promtool unit crash unit-and-crash engines test-bindings integ bench bench-full torture clean
 
 # The io_uring binding (liburing 2024.5.3) is built from its sdist: it needs a C
 # compiler and the Python headers. tools/check_toolchain.sh says so, and how to get
@@ -69,8 +69,17 @@ typecheck: $(BIN)/.dev-installed
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
+# promtool (Debian's `prometheus` package) checks the alert rules and both exporters'
+# output (tests/unit/telemetry/test_promtool.py). Installed where missing: as root, with
+# apt (about 15 s with `apt-get update`); without apt those tests skip and say why.
+# Kept out of `make run`.
+promtool:
+	@command -v promtool >/dev/null || ! command -v apt-get >/dev/null || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends prometheus; }
+
 # Suites by marker (tests/conftest.py marks each by its folder).
-unit: $(BIN)/.dev-installed
+unit: $(BIN)/.dev-installed promtool
 	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m unit
 
 # Crash loops, power loss, EIO and the property machines, on io_uring where the probe
@@ -80,7 +89,7 @@ crash: $(BIN)/.dev-installed
 
 # Both in one session for `make test`: the workers share out the long crash loops
 # with the unit tests (two sessions take about a minute longer on 2 cores).
-unit-and-crash: $(BIN)/.dev-installed
+unit-and-crash: $(BIN)/.dev-installed promtool
 	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m "unit or crash"
 
 # The crash, power-loss, EIO and property suites once more on the fallback engine
