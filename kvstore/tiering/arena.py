@@ -24,8 +24,12 @@ the page state machine's job (rule R4 in TIERING.md).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+from kvstore.tiering._torch import require_torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SLOT_ALIGN_BYTES", "Arena"]
 
@@ -63,6 +67,9 @@ class Arena:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        require_torch()
+        import torch
+
         self.name = name
         self.device = torch.device(device)
         self.slot_bytes = _round_up(slot_bytes, SLOT_ALIGN_BYTES)
@@ -88,6 +95,8 @@ class Arena:
         Over-allocates by one alignment unit and slices at the aligned offset; the
         slice keeps the whole allocation alive.
         """
+        import torch
+
         backing = torch.empty(
             nbytes + SLOT_ALIGN_BYTES, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
         )

@@ -48,12 +48,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-import torch
-
 from kvstore.errors import ClosedError
+from kvstore.tiering._torch import require_torch
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    import torch
 
     from kvstore.store import KVStore
 
@@ -672,6 +673,8 @@ class CPUMover(_ThreadedMover):
 
 
 def _new_timing_event() -> Any:
+    import torch
+
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
@@ -690,6 +693,10 @@ class CUDAMover(_ThreadedMover):
     """
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
+        require_torch()
+        import torch
+
+        self._cuda = torch.cuda
         if not torch.cuda.is_available():
             raise ValueError("CUDA is not available; use CPUMover (or make_mover('auto', device))")
         resolved = torch.device(device)
@@ -750,7 +757,7 @@ class CUDAMover(_ThreadedMover):
             # be half recorded. The pairs were checked above, so that is a CUDA error.
             start = self._take_event()
             end = self._take_event()
-            with torch.cuda.stream(stream):
+            with self._cuda.stream(stream):
                 if wait_event is not None:
                     stream.wait_event(wait_event)  # R1 / R3
                 start.record(stream)
@@ -1116,6 +1123,9 @@ def make_mover(kind: str, device: str | torch.device) -> Mover:
     """The mover for ``kind``: "cpu", "cuda", or "auto" (CUDA when ``device`` is a CUDA
     device and CUDA is available, else CPU). The fake mover needs a clock: build
     ``FakeMover`` directly."""
+    require_torch()  # one line naming what to install, before any tensor
+    import torch
+
     if kind == "auto":
         is_cuda = str(device).startswith("cuda")
         kind = "cuda" if is_cuda and torch.cuda.is_available() else "cpu"
