@@ -34,6 +34,7 @@ from kvstore.errors import ClosedError, IOFailure, KVStoreError
 from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.log.regular import read_regular
 from kvstore.tiering.arena import Arena
+from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, WriteBack
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import (
     LOAD_PATHS,
@@ -1540,7 +1541,7 @@ class TierManager:
     def _submit_demotions(self, recs: list[PageRec], *, keep: bool = False) -> None:
         """One D2H copy for a batch of HBM pages (their DRAM slots are taken); with
         ``keep`` they stay in HBM too (a clean reserve), else they leave it."""
-        tag = ("demote", recs, keep)
+        tag = Demotion(recs, keep)
         if self._fake:
             nbytes = sum(r.nbytes for r in recs)
             self._mover.copy(_D2H, [], priority=_WRITEBACK, tag=tag, nbytes=nbytes)
@@ -1701,7 +1702,7 @@ class TierManager:
             self._store,
             items,
             priority=_WRITEBACK,
-            tag=("write", recs, demote),
+            tag=WriteBack(recs, demote),
             **kwargs,
         )
 
@@ -1800,7 +1801,7 @@ class TierManager:
                 keys,
                 (),
                 priority=priority,
-                tag=("read", batch),
+                tag=Read(batch),
                 sizes=[r.nbytes for r in batch],
             )
         else:
@@ -1814,7 +1815,7 @@ class TierManager:
                     keys[i : i + step],
                     views[i : i + step],
                     priority=priority,
-                    tag=("read", batch[i : i + step]),
+                    tag=Read(batch[i : i + step]),
                 )
         return len(batch)
 
@@ -1866,7 +1867,7 @@ class TierManager:
                 path,
                 [],
                 priority=_DEMAND,
-                tag=("load", handle, items),
+                tag=Load(handle, items),
                 nbytes=nbytes,
             )
             return
@@ -1878,7 +1879,7 @@ class TierManager:
             path,
             pairs,
             priority=_DEMAND,
-            tag=("load", handle, items),
+            tag=Load(handle, items),
             wait_event=wait_event,
         )
         if ticket.event is not None:
@@ -1911,11 +1912,11 @@ class TierManager:
                 path,
                 [],
                 priority=_WRITEBACK,
-                tag=("offer", recs, tier),
+                tag=OfferCopy(recs, tier),
                 nbytes=nbytes,
             )
         return self._mover.copy(
-            path, pairs, priority=_WRITEBACK, tag=("offer", recs, tier), wait_event=event
+            path, pairs, priority=_WRITEBACK, tag=OfferCopy(recs, tier), wait_event=event
         )
 
     def _release_handle(self, tickets: list[Ticket]) -> ReleaseHandle:
@@ -1928,9 +1929,8 @@ class TierManager:
         now = self._now() if tickets else 0.0
         for ticket in tickets:
             tag = ticket.tag
-            if not isinstance(tag, tuple):
-                continue
-            kind = tag[0]
+            if tag is None:
+                continue  # not the manager's
             seconds = ticket.seconds()
             if seconds is not None and ticket.error is None and ticket.moved_bytes > 0:
                 fit = self._bandwidth[ticket.path.value]
@@ -1942,18 +1942,18 @@ class TierManager:
                 if moved:
                     self._vd_cache = None
                 self._observe_latency(ticket.path, seconds)
-            if kind == "offer":
-                self._offer_done(ticket, tag[1], tag[2])
-            elif kind == "demote":
-                self._demote_done(ticket, tag[1], tag[2])
-            elif kind == "write":
-                self._write_done(ticket, tag[1], tag[2])
-            elif kind == "read":
-                self._read_done(ticket, tag[1])
-            elif kind == "load":
-                self._load_done(ticket, tag[1], tag[2])
-            elif kind == "probe":
-                self._probe_done(ticket, tag[1], tag[2])
+            if isinstance(tag, OfferCopy):
+                self._offer_done(ticket, tag.recs, tag.tier)
+            elif isinstance(tag, Demotion):
+                self._demote_done(ticket, tag.recs, tag.keep)
+            elif isinstance(tag, WriteBack):
+                self._write_done(ticket, tag.recs, tag.demote)
+            elif isinstance(tag, Read):
+                self._read_done(ticket, tag.recs)
+            elif isinstance(tag, Load):
+                self._load_done(ticket, tag.handle, tag.items)
+            elif isinstance(tag, Probe):
+                self._probe_done(ticket, tag.path, tag.rate_before)
         return len(tickets)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
@@ -2432,7 +2432,7 @@ class TierManager:
                         self._store,
                         [(_PROBE_KEY, scratch[:page], None)],
                         priority=_BACKGROUND,
-                        tag=("probe", "nvme_write", self._bandwidth["nvme_read"].rate),
+                        tag=Probe("nvme_write", self._bandwidth["nvme_read"].rate),
                     )
                     self._probes_in_flight.add("nvme_read")
                     return True
@@ -2442,7 +2442,7 @@ class TierManager:
                 keys,
                 [scratch[i * size : i * size + page] for i in range(len(keys))],
                 priority=_BACKGROUND,
-                tag=("probe", name, self._bandwidth[name].rate),
+                tag=Probe(name, self._bandwidth[name].rate),
             )
         else:
             src, dst = self._scratch(name, size)
@@ -2451,7 +2451,7 @@ class TierManager:
                 Path(name),
                 [(src, dst)] * reps,
                 priority=_BACKGROUND,
-                tag=("probe", name, self._bandwidth[name].rate),
+                tag=Probe(name, self._bandwidth[name].rate),
             )
         self._probes_in_flight.add(name)
         return True
