@@ -434,8 +434,10 @@ def sim(
 ) -> None:
     """Replay a trace through the tier manager and the peers' policies.
 
-    TRACE is a Mooncake-format JSONL file (timestamp ms, input_length,
-    output_length, hash_ids); or --generate KIND makes one. Every policy sees
+    TRACE is a Mooncake-format JSONL file, gzipped or not (timestamp ms,
+    input_length, output_length, hash_ids), or the name of the trace shipped
+    with kvstore: mooncake-conversation (the Mooncake FAST'25 conversation
+    trace, 12,031 requests); or --generate KIND makes one. Every policy sees
     the same requests, capacities and machine; the real TierManager runs on the
     fake mover and a virtual clock. Hit ratios are fractions of all block
     accesses. The Pareto column compares hit ratio against NVMe bytes written

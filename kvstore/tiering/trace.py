@@ -13,7 +13,11 @@ only when the whole prefix up to and including that block is the same, so
 block i's parent is block i-1 of the same request. Fields other than these four
 are ignored; blank lines are skipped.
 
-The file is UTF-8 text (not gzipped) with at least one request. Anything else
+The file is UTF-8 text, gzipped or not (read by its magic bytes, whatever its
+name), with at least one request. A name in ``PACKAGED_TRACES`` that is not a
+file here reads the trace shipped with kvstore (``mooncake-conversation``: the
+Mooncake FAST'25 conversation trace, Apache-2.0, attribution in
+kvstore/tiering/data/NOTICE). Anything else
 is a ``TraceError`` naming the file and, for a bad line, the line: bytes that
 are not UTF-8, JSON nested too deeply for the parser, a number too long to
 convert, a token count of 2**53 or more (not a count the cost model's floats
@@ -36,7 +40,10 @@ Invariants kept here:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gzip
 import heapq
+import io
 import itertools
 import json
 import math
@@ -45,16 +52,19 @@ import random
 import re
 import reprlib
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from importlib import resources
+from typing import IO, Any, cast
 
 from kvstore.errors import KVStoreError
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "GENERATOR_KINDS",
+    "PACKAGED_TRACES",
     "Request",
     "TraceError",
     "TraceFacts",
@@ -70,7 +80,10 @@ GENERATOR_KINDS = ("system-prompts", "multi-turn", "long-docs", "mixed")
 _MAX_COUNT = 2**53  # token counts: floats hold every integer below it
 # Bytes that are not UTF-8, as the "surrogateescape" error handler decodes them.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
-_GZIP_MAGIC = "\x1f\udc8b"  # b"\x1f\x8b" decoded with surrogateescape
+_GZIP_MAGIC = b"\x1f\x8b"
+# Traces shipped as package data (kvstore/tiering/data/, attribution in its NOTICE),
+# readable by name wherever a trace path is taken: `kvstore sim mooncake-conversation`.
+PACKAGED_TRACES: dict[str, str] = {"mooncake-conversation": "mooncake_conversation.jsonl.gz"}
 
 
 class TraceError(KVStoreError, ValueError):
@@ -127,23 +140,52 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
     name = os.fspath(path)
     requests: list[Request] = []
     previous_ms = 0.0
-    # surrogateescape: a bad byte is found on its line, not in a read-ahead chunk.
-    with open(name, encoding="utf-8", errors="surrogateescape") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.isascii():
-                _check_utf8(name, line_number, line)
-            if not line.strip():
-                continue
-            request, previous_ms = _parse_line(name, line_number, line, previous_ms)
-            requests.append(request)
+    with _open_trace(name) as lines:
+        try:
+            for line_number, line in enumerate(lines, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if not line.isascii():
+                    _check_utf8(name, line_number, line)
+                if not line.strip():
+                    continue
+                request, previous_ms = _parse_line(name, line_number, line, previous_ms)
+                requests.append(request)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise _trace_error(
+                f"{name}: a damaged gzip file ({e or type(e).__name__})",
+                "gzip -t FILE says where; fetch or compress the trace again",
+            ) from e
     if not requests and limit != 0:
         raise _trace_error(
             f"{name}: no requests (the file is empty or blank)",
             "a trace has one JSON request object per line",
         )
     return requests
+
+
+@contextlib.contextmanager
+def _open_trace(name: str) -> Iterator[IO[str]]:
+    """The trace's lines: the file ``name`` (gunzipped if it starts with gzip's magic),
+    or the packaged trace of that name when no such file exists."""
+    packaged = PACKAGED_TRACES.get(name)
+    with contextlib.ExitStack() as stack:
+        raw: IO[bytes]
+        if packaged is not None and not os.path.lexists(name):
+            data = resources.files("kvstore.tiering").joinpath("data", packaged)
+            raw = stack.enter_context(data.open("rb"))
+        else:
+            raw = stack.enter_context(open(name, "rb"))
+        # peek, not read + seek: a trace may be a pipe (<(zcat FILE)).
+        peek = getattr(raw, "peek", None)
+        magic = peek(2)[:2] if peek is not None else b""
+        binary: IO[bytes] = raw
+        if magic == _GZIP_MAGIC:
+            binary = cast("IO[bytes]", stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb")))
+        # surrogateescape: a bad byte is found on its line, not in a read-ahead chunk.
+        yield stack.enter_context(
+            io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
+        )
 
 
 def _trace_error(message: str, hint: str) -> TraceError:
@@ -157,11 +199,6 @@ def _check_utf8(name: str, line_number: int, line: str) -> None:
     if bad is None:
         return
     where = f"{name}:{line_number}"
-    if line_number == 1 and line.startswith(_GZIP_MAGIC):
-        raise _trace_error(
-            f"{where}: gzip-compressed, not a JSONL trace",
-            "decompress it: gunzip -k FILE, or read <(zcat FILE)",
-        )
     byte = ord(bad.group()) - 0xDC00
     raise _trace_error(
         f"{where}: not UTF-8 (byte 0x{byte:02x} at column {bad.start() + 1})",

@@ -8,16 +8,13 @@ the infinite cache, recompute never hits, the per-request hits add up.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
 from kvstore.tiering.peers import POLICIES, PeerPolicy, make_peer, replay_peer
 from kvstore.tiering.trace import Request, capacity_blocks, generate, load_trace, trace_facts
 
-MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[4] / "shared" / "traces" / ("mooncake_conversation.jsonl")
-)
+MOONCAKE_TRACE = "mooncake-conversation"  # shipped as package data, read by name
 
 ALL_NAMES = {
     "vllm",
@@ -281,8 +278,5 @@ def test_no_peer_beats_the_infinite_cache_on_a_generated_trace(
     check_replays(generate("mixed", seed=9, requests=1500), fractions)
 
 
-@pytest.mark.skipif(
-    not MOONCAKE_TRACE.exists(), reason=f"the Mooncake trace is not at {MOONCAKE_TRACE}"
-)
 def test_no_peer_beats_the_infinite_cache_on_the_mooncake_trace() -> None:
     check_replays(load_trace(MOONCAKE_TRACE, limit=2000), (0.02, 0.10, 0.5))

@@ -28,9 +28,8 @@ from kvstore.tiering.trace import (
     write_trace,
 )
 
-MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[4] / "shared" / "traces" / ("mooncake_conversation.jsonl")
-)
+# Shipped as package data (kvstore/tiering/data/), read by name.
+MOONCAKE_TRACE = "mooncake-conversation"
 
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}'
 
@@ -133,7 +132,7 @@ def bad_files() -> list[tuple[str, bytes, str, str]]:
             ":4:",
             "not UTF-8 (byte 0xe9 at column 30)",
         ),
-        ("gzip", gzip.compress(good * 3), ":1:", "gzip-compressed"),
+        ("damaged-gzip", gzip.compress(good * 3)[:-8], ":", "a damaged gzip file"),
         (
             "long-int",
             good + GOOD.replace('"timestamp": 0', f'"timestamp": {"9" * (digits + 700)}').encode(),
@@ -171,6 +170,36 @@ def test_a_file_that_is_no_trace_is_a_trace_error_naming_the_line(
     message = str(raised.value)
     assert f"{path}{line}" in message and expected in message
     assert len(message) < 400  # no megabyte excerpt of the bad line
+
+
+def test_a_gzipped_trace_reads_as_its_text_whatever_its_name(tmp_path: Path) -> None:
+    text = "\n".join([GOOD, GOOD.replace('"timestamp": 0', '"timestamp": 5')]) + "\n"
+    plain = write_lines(tmp_path, text.rstrip("\n"))
+    for name in ("t.jsonl.gz", "t.jsonl"):
+        path = tmp_path / "gz" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(gzip.compress(text.encode()))
+        assert load_trace(path) == load_trace(plain)
+
+
+def test_the_packaged_trace_is_read_by_name_and_a_file_of_that_name_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_trace(MOONCAKE_TRACE, limit=3)[0].input_tokens > 0
+    monkeypatch.chdir(tmp_path)
+    Path(MOONCAKE_TRACE).write_text(GOOD + "\n", encoding="utf-8")
+    assert len(load_trace(MOONCAKE_TRACE)) == 1
+    with pytest.raises(FileNotFoundError):
+        load_trace("mooncake-conversation.jsonl")  # only the exact name is packaged
+
+
+def test_the_packaged_trace_ships_with_its_attribution() -> None:
+    from importlib import resources
+
+    data = resources.files("kvstore.tiering").joinpath("data")
+    notice = data.joinpath("NOTICE").read_text(encoding="utf-8")
+    assert "kvcache-ai/Mooncake" in notice and "Apache License, Version 2.0" in notice
+    assert data.joinpath("mooncake_conversation.jsonl.gz").read_bytes()[:2] == b"\x1f\x8b"
 
 
 def test_an_error_quotes_a_short_excerpt_of_a_huge_value(tmp_path: Path) -> None:
@@ -227,9 +256,6 @@ def test_facts_count_leading_hits_only() -> None:
     assert trace_facts([]).max_hit_ratio == 0.0
 
 
-@pytest.mark.skipif(
-    not MOONCAKE_TRACE.exists(), reason=f"the Mooncake trace is not at {MOONCAKE_TRACE}"
-)
 def test_facts_of_the_mooncake_conversation_trace() -> None:
     facts = trace_facts(load_trace(MOONCAKE_TRACE))
     assert facts.requests == 12_031
