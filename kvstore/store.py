@@ -418,8 +418,11 @@ class KVStore:
                     wal = self._journal.wal
                     if wal is not None and (
                         wal.size_bytes >= self.config.checkpoint_wal_bytes
-                        or time.monotonic() - self._checkpointer.last_run
-                        >= self.config.checkpoint_interval_s
+                        or (
+                            time.monotonic() - self._checkpointer.last_run
+                            >= self.config.checkpoint_interval_s
+                            and not self._checkpointer.idle()
+                        )  # an idle writer writes nothing
                     ):
                         self._checkpointer.run()
                 except (KVStoreError, OSError):
@@ -665,7 +668,7 @@ class KVStore:
         try:
             while not self._stop.wait(self.config.gc_interval_s):
                 try:
-                    self._collector.run_pass(GCTally())
+                    self._collector.run_pass(GCTally(), background=True)
                 except (KVStoreError, OSError):
                     if self._state.failed is not None or self._closed:
                         return

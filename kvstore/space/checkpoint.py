@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import KVStoreError, WriterFailedError
 from kvstore.format.wal import WAL_FILE_HEADER_BYTES
@@ -29,6 +30,7 @@ from kvstore.index.table import (
     META_LSN_LEASE,
     META_NEXT_SEGMENT,
     META_PAGE_COUNT,
+    SegmentState,
 )
 from kvstore.log.journal import Journal
 from kvstore.log.wal import list_wal_files
@@ -47,6 +49,40 @@ class Checkpointer:
         self._root = root
         self.lock = threading.Lock()  # the checkpoint lock: one LMDB writer at a time
         self.last_run = time.monotonic()
+        self._last_written: tuple[object, ...] | None = None  # what the last run wrote
+
+    def _written_locked(
+        self, segments: dict[int, SegmentState], meta: dict[Any, int], retains: set[bytes]
+    ) -> tuple[object, ...]:
+        """What a checkpoint writes besides the overlay and the dropped segments
+        (the checkpoint LSN aside). Caller holds the state lock."""
+        return (segments, {k: v for k, v in meta.items() if k != META_CHECKPOINT_LSN}, retains)
+
+    def idle(self) -> bool:
+        """Whether a checkpoint now would change nothing: no WAL record since the last
+        one, an empty overlay, no dropped segment, the same segment states and meta.
+        The flush thread's timed checkpoint is skipped then (an idle writer writes
+        nothing), and the timer restarts. Conservative: False until a first run."""
+        st = self._state
+        wal = self._journal.wal
+        if wal is None or self._last_written is None or wal.size_bytes > WAL_FILE_HEADER_BYTES:
+            return False
+        with st.lock:
+            if st.table.active or st.table.frozen is not None or st.dropped_segments:
+                return False
+            written = self._written_locked(
+                dict(st.segment_states),
+                {
+                    META_LSN_LEASE: max(st.lease_until, st.next_lsn),
+                    META_PAGE_COUNT: st.table.page_count,
+                    META_NEXT_SEGMENT: st.next_segment_id,
+                },
+                set(st.retains),
+            )
+        if written != self._last_written:
+            return False
+        self.last_run = time.monotonic()
+        return True
 
     def run(self) -> None:
         """One checkpoint (the steps above). A failed WAL rotation stops the writer; a
@@ -72,6 +108,11 @@ class Checkpointer:
                     }
                     dropped, st.dropped_segments = st.dropped_segments, []
                     retains = set(st.retains)
+                    written = self._written_locked(
+                        {k: dataclasses.replace(v) for k, v in segments.items()},
+                        dict(meta),
+                        set(retains),
+                    )
                 try:
                     wal.rotate(first_lsn)
                 except KVStoreError as e:
@@ -99,6 +140,7 @@ class Checkpointer:
                     except OSError:
                         break  # the checkpoint is durable; the next one (or open) retries
             self.last_run = time.monotonic()
+            self._last_written = written
             wchar_after = tc.read_io_wchar()
             with st.lock:
                 st.tv[tc.CHECKPOINTS] += 1

@@ -94,9 +94,13 @@ class Collector:
 
         self._wait_writable_locked = closed
 
-    def run_pass(self, tally: GCTally, *, full: bool = False) -> None:
+    def run_pass(self, tally: GCTally, *, full: bool = False, background: bool = False) -> None:
         """One pass: (with ``full``, mark-and-sweep,) free empty segments, compact
-        sparse ones, evict down to the low watermark when the store has a capacity."""
+        sparse ones, evict down to the low watermark when the store has a capacity.
+
+        A ``background`` pass (the GC thread's) that found nothing to do is not
+        counted: counting it would change the telemetry every second and make an idle
+        writer save its counters every second (``gc_passes`` would be a clock)."""
         started_ns = time.perf_counter_ns()
         with self.lock:
             if full:
@@ -106,6 +110,8 @@ class Collector:
             if self._state.capacity_segments is not None:
                 self._evict_until_watermark(tally)
         self.last_pass = time.monotonic()
+        if background and not tally.did_work():
+            return
         self.count_pass(started_ns)
 
     def count_pass(self, started_ns: int) -> None:

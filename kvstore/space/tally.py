@@ -32,3 +32,9 @@ class GCTally:
             self.drift_bytes,
             seconds,
         )
+
+    def did_work(self) -> bool:
+        """Whether the pass changed anything (freed, moved, evicted or swept)."""
+        return bool(
+            self.segments_freed or self.pages_moved or self.pages_evicted or self.drift_segments
+        )

@@ -290,3 +290,42 @@ def test_a_failed_counter_save_is_noted_and_retried(
     reopened = open_store(create=False)
     snapshot = reopened.telemetry_snapshot()
     assert snapshot.values[tc.PUTS] == 2  # both puts counted: the retry wrote them
+
+
+def test_an_idle_writer_writes_nothing(
+    open_store: OpenStore, store_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 #6: the GC thread's idle passes changed the counters every second, so
+    an idle writer saved them every second (~12 KB/s), and its timed checkpoint
+    rotated the WAL and committed LMDB every minute. An idle writer writes nothing:
+    no LMDB write transaction, the index and the WAL untouched; a change is saved."""
+    from kvstore.index.lmdb_env import IndexEnv
+
+    store = open_store(
+        gc_interval_s=0.05, telemetry_flush_interval_s=0.05, checkpoint_interval_s=0.05
+    )
+    store.put(b"k", b"v" * 100)
+    store.checkpoint()
+    time.sleep(0.5)  # the put's save and the GC thread's first passes
+    writes: list[str] = []
+    original = IndexEnv.write
+
+    def write(env: IndexEnv, body: Any) -> Any:
+        writes.append(body.__module__)
+        return original(env, body)
+
+    monkeypatch.setattr(IndexEnv, "write", write)
+    index_file = store_path / "index" / "data.mdb"
+    before = (index_file.stat().st_mtime_ns, index_file.stat().st_size)
+    wal_before = sorted((p.name, p.stat().st_size) for p in (store_path / "wal").iterdir())
+    counters = store.telemetry_snapshot().values
+    time.sleep(1.5)  # 30 GC passes, telemetry beats and checkpoint deadlines
+    assert writes == []
+    assert (index_file.stat().st_mtime_ns, index_file.stat().st_size) == before
+    assert sorted((p.name, p.stat().st_size) for p in (store_path / "wal").iterdir()) == wal_before
+    assert store.telemetry_snapshot().values == counters
+    store.get(b"k")  # a change is saved at the next beat
+    deadline = time.monotonic() + 5
+    while not writes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writes, "a changed counter vector was not saved"
