@@ -1,6 +1,7 @@
 """Prometheus metrics of a store: a registry the engine can mount, and the exporter.
 
-Names follow the design notes where they name a metric (``kv_cache_hit_total{layer}``,
+Names follow the design notes where they name a metric (``kv_cache_hit_total{layer}``
+and ``kv_cache_miss_total`` beside it,
 ``kv_offload_latency_seconds{src_layer,dst_layer}``, ``kv_page_table_size_bytes``;
 this store is layer 2, the NVMe tier, so a put is an offload 1 -> 2 and a get a
 load 2 -> 1) and ``kvstore_*`` for the rest. Counters end in ``_total``; units are
@@ -77,13 +78,14 @@ class StoreCollector(Collector):
 
         hit = CounterMetricFamily(
             "kv_cache_hit",
-            "KV-cache page lookups by the layer that served them "
-            "(2 = this NVMe store, miss = not found)",
+            "KV-cache page lookups served, by the layer that served them (2 = this NVMe store)",
             labels=["layer"],
         )
         hit.add_metric([STORE_LAYER], counters["hits"])
-        hit.add_metric(["miss"], counters["misses"])
         yield hit
+        miss = CounterMetricFamily("kv_cache_miss", "KV-cache page lookups this store missed")
+        miss.add_metric([], counters["misses"])
+        yield miss
 
         offload = _histogram(
             "kv_offload_latency_seconds",

@@ -1,9 +1,9 @@
 """Prometheus metrics of the tier manager: its registry, and the persisted statistics'.
 
 Names follow the design brief (../TIERING.md, "Metrics"): the seeds'
-``kv_cache_hit_total{layer}`` (layer 0 HBM, 1 DRAM, 2 NVMe, miss),
-``kv_offload_latency_seconds{src_layer,dst_layer}`` and ``kv_page_table_size_bytes``,
-then ``kvstore_tier_*`` for the rest. Units and suffixes as in
+``kv_cache_hit_total{layer}`` (layer 0 HBM, 1 DRAM, 2 NVMe) with ``kv_cache_miss_total``
+beside it, ``kv_offload_latency_seconds{src_layer,dst_layer}`` and
+``kv_page_table_size_bytes``, then ``kvstore_tier_*`` for the rest. Units and suffixes as in
 ``kvstore.telemetry.prometheus`` (whose ``lint_exposition`` the tests run on every
 exposition): counters end in ``_total``, sizes in ``_bytes``, times in ``_seconds``.
 
@@ -20,6 +20,7 @@ which see every layer, replace them (the store's latencies stay in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvstore.errors import KVStoreError
-from kvstore.tiering.results import TierStats
+from kvstore.tiering.results import UNBOUNDED_BYTES, TierStats
 from kvstore.tiering.statsfile import read_stats_file, stats_file_of, stats_view_from_file
 
 __all__ = [
@@ -53,8 +54,9 @@ __all__ = [
 TIER_NAMES = ("hbm", "dram", "nvme")
 LAYERS = ("0", "1", "2")  # the seeds' layer label of each tier
 SEED_FAMILIES = frozenset(
-    {"kv_cache_hit", "kv_offload_latency_seconds", "kv_page_table_size_bytes"}
+    {"kv_cache_hit", "kv_cache_miss", "kv_offload_latency_seconds", "kv_page_table_size_bytes"}
 )
+LOAD_FAILURE = "load_failure:"  # the manager's counters of failed loads, by reason
 NO_TIER = "none"  # the tier label of a counter key without one ("orphan")
 
 
@@ -72,14 +74,13 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
     """The metric families of one snapshot (TIERING.md, "Metrics")."""
     hit = CounterMetricFamily(
         "kv_cache_hit",
-        "KV-cache page lookups by the layer that served them (0 HBM, 1 DRAM, 2 NVMe, "
-        "miss = in no tier)",
+        "KV-cache page lookups served, by the layer that served them (0 HBM, 1 DRAM, 2 NVMe)",
         labels=["layer"],
     )
     for layer, hits in zip(LAYERS, stats.hits_by_tier, strict=True):
         hit.add_metric([layer], hits)
-    hit.add_metric(["miss"], stats.misses)
     yield hit
+    yield _counter("kv_cache_miss", "KV-cache page lookups found in no tier", stats.misses)
     yield _offload_latency(stats.offload_latency_s)
     yield _gauge(
         "kv_page_table_size_bytes",
@@ -89,16 +90,26 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
     yield _counter("kvstore_tier_lookups", "Lookups the tier manager answered", stats.lookups)
     for name, values, documentation in (
         ("kvstore_tier_used_bytes", stats.used_bytes, "Bytes of pages held in each tier"),
-        ("kvstore_tier_capacity_bytes", stats.capacity_bytes, "Each tier's capacity"),
         ("kvstore_tier_pages", stats.pages_by_tier, "Pages held in each tier"),
         ("kvstore_tier_kappa", stats.kappa, "Recompute time over load time of a page, per tier"),
         (
-            "kvstore_tier_tau",
+            "kvstore_tier_tau_seconds_per_byte",
             stats.tau,
             "Admission bar per tier: seconds of recompute saved per byte (admit at VD >= tau)",
         ),
     ):
         yield _per_tier(name, documentation, values)
+    # A tier without a bound (NVMe without capacity_bytes) has no capacity sample: a
+    # ratio to it is then no series rather than a fraction of a made-up number.
+    capacity = GaugeMetricFamily(
+        "kvstore_tier_capacity_bytes",
+        "Each tier's capacity (no sample for a tier without a bound)",
+        labels=["tier"],
+    )
+    for tier, capacity_bytes in zip(TIER_NAMES, stats.capacity_bytes, strict=True):
+        if capacity_bytes < UNBOUNDED_BYTES:
+            capacity.add_metric([tier], capacity_bytes)
+    yield capacity
     yield _per_tier(
         "kvstore_tier_in_use",
         "1 where the tier is used for loads (HBM always; DRAM and NVMe while kappa >= 1), "
@@ -145,13 +156,21 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
             stats.nvme_pages_written,
             "Pages the tier manager wrote to NVMe",
         ),
-        (
-            "kvstore_tier_load_failures",
-            stats.load_failures,
-            "Page loads that failed (missing or unverified): recomputed, never served",
-        ),
     ):
         yield _counter(name, documentation, value)
+    failures = CounterMetricFamily(
+        "kvstore_tier_load_failures",
+        "Page loads that failed, by reason (nvme_read, no_slot, copy, unreadable; unknown "
+        "where the manager did not say): recomputed, never served",
+        labels=["reason"],
+    )
+    reasons = {reason: count for reason, count in stats.load_failure_reasons.items() if count}
+    unknown = stats.load_failures - sum(reasons.values())
+    if unknown > 0 or not reasons:
+        reasons["unknown"] = reasons.get("unknown", 0) + max(unknown, 0)
+    for reason, count in sorted(reasons.items()):
+        failures.add_metric([reason], count)
+    yield failures
     recompute = CounterMetricFamily(
         "kvstore_tier_recompute_decisions",
         "Lookups answered with recompute instead of a load, by reason",
@@ -181,8 +200,9 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
         1.0 if stats.emergency else 0.0,
     )
     yield _gauge(
-        "kvstore_tier_compute_flops",
-        "Fitted effective compute rate C_eff (FLOP/s) that recompute costs assume",
+        "kvstore_tier_compute_flops_per_second",
+        "Fitted effective compute rate C_eff (floating-point operations per second) that "
+        "recompute costs assume",
         stats.compute_flops,
     )
     policies = (stats.mover, stats.placement, stats.admission, stats.eviction)
@@ -291,7 +311,16 @@ def persisted_families(data: Mapping[str, Any]) -> Iterator[Metric]:
         "When the tier manager last persisted its statistics (unix time)",
         float(data["saved_at_unix_s"]),
     )
-    yield from tier_families(stats_view_from_file(data))
+    view = stats_view_from_file(data)
+    if not view.load_failure_reasons:  # the manager's "load_failure:<reason>" counters
+        counters: Mapping[str, Any] = data["summary"]["counters"]
+        reasons = {
+            name.removeprefix(LOAD_FAILURE): int(count)
+            for name, count in counters.items()
+            if name.startswith(LOAD_FAILURE)
+        }
+        view = dataclasses.replace(view, load_failure_reasons=reasons)
+    yield from tier_families(view)
 
 
 def _readable(value: float) -> GaugeMetricFamily:

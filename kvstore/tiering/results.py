@@ -11,12 +11,13 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.tiering.cost import PlanCost
 
 __all__ = [
+    "UNBOUNDED_BYTES",
     "LoadHandle",
     "LoadPlan",
     "LookupResult",
@@ -26,6 +27,11 @@ __all__ = [
     "RequestContext",
     "TierStats",
 ]
+
+# The capacity the manager gives a tier without a bound (an NVMe store without
+# capacity_bytes): larger than any drive. The exporter exports no capacity sample for
+# it (docs/tiering.md, "Metrics").
+UNBOUNDED_BYTES = 1 << 62
 
 
 class LookupState(enum.Enum):
@@ -201,3 +207,8 @@ class TierStats:
     # them is measured faster than recomputing). A tier out of use is re-measured by
     # probes (docs/tiering.md, "Measurements").
     in_use: tuple[bool, bool, bool] = (True, True, True)
+    # Page loads that failed, by reason ("reason" -> count; the reasons add up to at
+    # most load_failures, the rest is exported as reason="unknown"): nvme_read (the
+    # NVMe read failed or came back short), no_slot (no DRAM slot to stage into),
+    # copy (the copy to the destination failed), unreadable (the page was gone).
+    load_failure_reasons: Mapping[str, int] = field(default_factory=dict)

@@ -39,7 +39,10 @@ def test_live_registry_parses_lints_clean_and_matches_the_counters(
     hit = parsed["kv_cache_hit"]
     assert hit.type == "counter"
     by_layer = {s.labels["layer"]: s.value for s in hit.samples if s.name == "kv_cache_hit_total"}
-    assert by_layer == {"2": 2.0, "miss": 1.0}
+    assert by_layer == {"2": 2.0}  # a miss is no layer: kv_cache_miss_total
+    miss = parsed["kv_cache_miss"]
+    assert miss.type == "counter"
+    assert [s.value for s in miss.samples if s.name == "kv_cache_miss_total"] == [1.0]
     offload = parsed["kv_offload_latency_seconds"]
     assert offload.type == "histogram"
     counts = {
@@ -175,9 +178,12 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
     for floor in ("0.6", "0.4"):  # L0 over every layer and the misses, 5 m windows
         assert (
             'sum by (instance, job) (rate(kv_cache_hit_total{layer="0"}[5m]))\n'
-            f"            / sum by (instance, job) (rate(kv_cache_hit_total[5m])) < {floor}\n"
+            "            / (sum by (instance, job) (rate(kv_cache_hit_total[5m]))\n"
+            "              + sum by (instance, job) (rate(kv_cache_miss_total[5m])))"
+            f" < {floor}\n"
             "        for: 15m"
         ) in tier_rules
     # The NVMe layer's floor divides by the lookups that reached NVMe (its hits and the
     # misses): beside the tier manager, layer 0 and 1 hits are no NVMe misses.
-    assert rules.count('rate(kv_cache_hit_total{layer=~"2|miss"}[10m])) < 0.') == 2
+    assert rules.count("+ sum by (instance, job) (rate(kv_cache_miss_total[10m]))) < 0.") == 2
+    assert "miss" not in re.sub(r"kv_cache_miss_total|misses", "", "".join(expressions))

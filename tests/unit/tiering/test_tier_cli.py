@@ -36,10 +36,13 @@ def run(*args: str) -> Result:
 
 
 def hits_by_layer(text: str) -> dict[str, float]:
-    for family in text_string_to_metric_families(text):
-        if family.name == "kv_cache_hit":
-            return {s.labels["layer"]: s.value for s in family.samples}
-    raise AssertionError("no kv_cache_hit family")
+    """kv_cache_hit_total by layer, and kv_cache_miss_total as "miss" (a counter of its
+    own: no hit carries layer="miss")."""
+    found = {family.name: family for family in text_string_to_metric_families(text)}
+    hits = {s.labels["layer"]: s.value for s in found["kv_cache_hit"].samples}
+    assert "miss" not in hits
+    [miss] = found["kv_cache_miss"].samples
+    return {**hits, "miss": miss.value}
 
 
 @pytest.fixture

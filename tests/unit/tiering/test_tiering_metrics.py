@@ -72,6 +72,7 @@ def fake_stats(**changes: Any) -> TierStats:
         "nvme_bytes_written": 123_456,
         "nvme_pages_written": 15,
         "load_failures": 16,
+        "load_failure_reasons": {"nvme_read": 10, "no_slot": 4},
         "offload_latency_s": {
             "1->2": (BOUNDS, (1, 2, 3, 3, 4, 4), 0.3, 5),
             "2->1": (BOUNDS, (0, 0, 0, 1, 1, 2), 0.25, 2),
@@ -122,9 +123,11 @@ def test_every_field_is_exported_under_its_name_and_labels() -> None:
     types = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert types["kv_cache_hit"] == "counter"
     assert types["kv_offload_latency_seconds"] == "histogram"
-    assert types["kvstore_tier_tau"] == "gauge"
+    assert types["kvstore_tier_tau_seconds_per_byte"] == "gauge"
+    assert types["kv_cache_miss"] == "counter"
     found = samples(text)
-    assert by(found, "kv_cache_hit_total", "layer") == {"0": 70, "1": 20, "2": 5, "miss": 5}
+    assert by(found, "kv_cache_hit_total", "layer") == {"0": 70, "1": 20, "2": 5}
+    assert value(found, "kv_cache_miss_total") == 5
     assert value(found, "kv_page_table_size_bytes") == 3600
     assert value(found, "kvstore_tier_lookups_total") == 40
     for name, expected in (
@@ -132,7 +135,7 @@ def test_every_field_is_exported_under_its_name_and_labels() -> None:
         ("kvstore_tier_capacity_bytes", (1000, 2000, 3000)),
         ("kvstore_tier_pages", (1, 2, 6)),
         ("kvstore_tier_kappa", (10.0, 5.0, 1.5)),
-        ("kvstore_tier_tau", (1e-9, 2e-9, math.inf)),
+        ("kvstore_tier_tau_seconds_per_byte", (1e-9, 2e-9, math.inf)),
     ):
         assert by(found, name, "tier") == dict(
             zip(("hbm", "dram", "nvme"), expected, strict=True)
@@ -157,12 +160,16 @@ def test_every_field_is_exported_under_its_name_and_labels() -> None:
         ("kvstore_tier_thrash_total", 13),
         ("kvstore_tier_emergency_evictions_total", 14),
         ("kvstore_tier_nvme_written_pages_total", 15),
-        ("kvstore_tier_load_failures_total", 16),
         ("kvstore_tier_nvme_written_bytes_total", 123_456),
         ("kvstore_tier_emergency", 1),
-        ("kvstore_tier_compute_flops", 3e14),
+        ("kvstore_tier_compute_flops_per_second", 3e14),
     ):
         assert value(found, name) == single, name
+    assert by(found, "kvstore_tier_load_failures_total", "reason") == {
+        "nvme_read": 10,
+        "no_slot": 4,
+        "unknown": 2,  # what the manager counted without a reason
+    }
     assert by(found, "kvstore_tier_bandwidth_bytes_per_second", "path") == {
         "d2h": 2.5e10,
         "nvme_read": 6e9,
@@ -202,9 +209,9 @@ def test_a_histogram_with_bounds_and_counts_of_different_lengths_is_refused() ->
 def test_each_scrape_reads_fresh_stats_and_quiet_fields_export_zeros() -> None:
     snapshots = iter([fake_stats(), fake_stats(misses=9, emergency=False)])
     registry = registry_for(lambda: next(snapshots))
-    assert by(samples(exposition(registry)), "kv_cache_hit_total", "layer")["miss"] == 5
+    assert value(samples(exposition(registry)), "kv_cache_miss_total") == 5
     second = samples(exposition(registry))
-    assert by(second, "kv_cache_hit_total", "layer")["miss"] == 9
+    assert value(second, "kv_cache_miss_total") == 9
     assert value(second, "kvstore_tier_emergency") == 0
     empty = fake_stats(
         admissions={},
@@ -229,13 +236,15 @@ def test_beside_the_store_the_seed_families_are_the_managers_only(
     store.get("k")
     store.get("absent")
     alone = samples(exposition(store.metrics_registry()))
-    assert by(alone, "kv_cache_hit_total", "layer") == {"2": 1, "miss": 1}
+    assert by(alone, "kv_cache_hit_total", "layer") == {"2": 1}
+    assert value(alone, "kv_cache_miss_total") == 1
     registry = registry_beside_store(
         StoreCollector(store.telemetry_snapshot), TierCollector(fake_stats)
     )
     text = exposition(registry)  # the linter refuses a family declared twice
     found = samples(text)
-    assert by(found, "kv_cache_hit_total", "layer") == {"0": 70, "1": 20, "2": 5, "miss": 5}
+    assert by(found, "kv_cache_hit_total", "layer") == {"0": 70, "1": 20, "2": 5}
+    assert value(found, "kv_cache_miss_total") == 5  # the manager's: in no tier
     assert value(found, "kv_page_table_size_bytes") == 3600
     assert set(by(found, "kv_offload_latency_seconds_count", "src_layer", "dst_layer")) == {
         ("1", "2"),
@@ -443,13 +452,14 @@ def test_the_file_collector_rereads_at_each_scrape_and_survives_a_bad_file(
     found = samples(exposition(registry))
     assert value(found, "kvstore_tier_stats_readable") == 1
     assert value(found, "kvstore_tier_stats_saved_timestamp_seconds") == 1_700_000_000.0
-    assert by(found, "kv_cache_hit_total", "layer") == {"0": 60, "1": 30, "2": 10, "miss": 20}
+    assert by(found, "kv_cache_hit_total", "layer") == {"0": 60, "1": 30, "2": 10}
+    assert value(found, "kv_cache_miss_total") == 20
     assert by(found, "kvstore_tier_evictions_total", "tier", "reason")[("dram", "emergency")] == 2
     newer = stats_data(saved_at_unix_s=1_700_000_030.0)
     newer["summary"] = {**newer["summary"], "misses": 25}
     write_stats(tmp_path, newer)
     found = samples(exposition(registry))
-    assert by(found, "kv_cache_hit_total", "layer")["miss"] == 25
+    assert value(found, "kv_cache_miss_total") == 25
     assert value(found, "kvstore_tier_stats_saved_timestamp_seconds") == 1_700_000_030.0
     (tmp_path / STATS_FILE).write_text("{torn")
     found = samples(exposition(registry))
@@ -475,3 +485,32 @@ def test_the_readers_names_are_the_managers_and_they_read_what_it_writes() -> No
         tiers.close()
     check_stats(data, "the manager's snapshot")
     assert summarize(data, now_s=time.time())["tiers"]["dram"]["pages"] == 0
+
+
+def test_an_unbounded_tier_exports_no_capacity_sample(tmp_path: Path) -> None:
+    """Not 4.6e18 (the manager's stand-in for no bound): a ratio to it is no series."""
+    found = samples(exposition(registry_for(lambda: fake_stats(capacity_bytes=(10, 20, 1 << 62)))))
+    assert by(found, "kvstore_tier_capacity_bytes", "tier") == {"hbm": 10, "dram": 20}
+    assert by(found, "kvstore_tier_used_bytes", "tier")["nvme"] == 300
+    data = stats_data()
+    data["summary"] = {**data["summary"], "capacity_bytes": [4 << 20, 16 << 20, 1 << 62]}
+    write_stats(tmp_path, data)
+    found = samples(exposition(registry_for_file(tmp_path)))
+    assert by(found, "kvstore_tier_capacity_bytes", "tier") == {"hbm": 4 << 20, "dram": 16 << 20}
+
+
+def test_load_failures_carry_a_reason_live_and_from_the_file(tmp_path: Path) -> None:
+    quiet = samples(
+        exposition(registry_for(lambda: fake_stats(load_failures=0, load_failure_reasons={})))
+    )
+    assert by(quiet, "kvstore_tier_load_failures_total", "reason") == {"unknown": 0}
+    write_stats(tmp_path, stats_data())  # load_failures 1, no reasons: an older manager
+    found = samples(exposition(registry_for_file(tmp_path)))
+    assert by(found, "kvstore_tier_load_failures_total", "reason") == {"unknown": 1}
+    data = stats_data()
+    counters = {**data["summary"]["counters"], "load_failures": 5}
+    counters.update({"load_failure:nvme_read": 3, "load_failure:copy": 2})
+    data["summary"] = {**data["summary"], "counters": counters}
+    write_stats(tmp_path, data)
+    found = samples(exposition(registry_for_file(tmp_path)))
+    assert by(found, "kvstore_tier_load_failures_total", "reason") == {"nvme_read": 3, "copy": 2}
