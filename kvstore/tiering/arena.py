@@ -24,17 +24,32 @@ the page state machine's job (rule R4 in TIERING.md).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.tiering._torch import require_torch
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SLOT_ALIGN_BYTES", "Arena"]
+__all__ = ["SLOT_ALIGN_BYTES", "Arena", "SlotPool"]
 
 SLOT_ALIGN_BYTES = 4096
 _CACHED_VIEW_MIN_SLOT_BYTES = 64 * 1024
+
+
+class SlotPool(Protocol):
+    """What the tier manager needs of a tier's page slots: an ``Arena`` (real memory)
+    or the simulator's slot counter (``kvstore.tiering.manager._VirtualSlots``)."""
+
+    slots: int
+    slot_bytes: int
+    capacity_bytes: int
+
+    def alloc(self) -> int | None: ...
+    def free(self, slot: int) -> None: ...
+    def used_slots(self) -> int: ...
+    def free_slots(self) -> int: ...
+    def view(self, slot: int, nbytes: int | None = None) -> Any: ...
 
 
 def _round_up(value: int, multiple: int) -> int:

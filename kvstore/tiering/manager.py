@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from kvstore.errors import ClosedError, IOFailure, KVStoreError
 from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.log.regular import read_regular
-from kvstore.tiering.arena import Arena
+from kvstore.tiering.arena import Arena, SlotPool
 from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, WriteBack
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import (
@@ -208,8 +208,9 @@ class TierManager:
         # the engine's residency, not a copy the manager can load or keep as a backup.
         self._readable_mask = 7 if owned_hbm else 6
         self._above_nvme_mask = 5 if owned_hbm else 4  # a DRAM page's readable other copies
-        self._hbm: Any = None
-        self._dram: Any
+        # No owned HBM: a pool of no slots (every HBM call site runs only with owned HBM).
+        self._hbm: SlotPool = _VirtualSlots(0, slot)
+        self._dram: SlotPool
         if self._fake:
             if owned_hbm:
                 self._hbm = _VirtualSlots(config.hbm_bytes // slot, slot)
@@ -242,7 +243,7 @@ class TierManager:
                 nvme_capacity = self._store.config.capacity_bytes
         self._nvme_enabled = self._store is not None or (self._fake and bool(config.nvme_bytes))
         self._capacity = [
-            self._hbm.capacity_bytes if self._hbm is not None else 0,
+            self._hbm.capacity_bytes,
             self._dram.capacity_bytes,
             (nvme_capacity if nvme_capacity is not None else 1 << 62) if self._nvme_enabled else 0,
         ]
