@@ -49,6 +49,7 @@ from kvstore.format.checksum import checksum
 from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import PageEntry, decode_page_entry, decode_segment_entry
 from kvstore.format.names import (
+    DEMO_MARKER_NAME,
     INDEX_DIR,
     LOCK_NAME,
     SEGMENTS_DIR,
@@ -841,6 +842,7 @@ def _check_files(run: _Run) -> None:
         INDEX_DIR,
         TIERING_STATS_NAME,
         TIERING_STATS_TMP_NAME,
+        DEMO_MARKER_NAME,
     }
     with store.internals.writers_frozen(), store.internals.state.cond:
         while store.internals.state.preparing:

@@ -49,7 +49,7 @@ from rich.table import Table
 from kvstore.bench.cli import bench as bench_command
 from kvstore.check import Finding, Findings, check_path, check_store
 from kvstore.errors import CorruptionError, KVStoreError, LockedError
-from kvstore.format.names import SUPERBLOCK_NAME
+from kvstore.format.names import DEMO_MARKER_NAME, SUPERBLOCK_NAME
 from kvstore.store import KVStore
 from kvstore.tiering.sim_cli import sim as sim_command
 
@@ -802,20 +802,37 @@ def _progress(on: Console = console) -> Progress:
     type=click.Path(path_type=Path),
     default=Path("./kvstore-demo"),
     show_default=True,
-    help="Store directory (recreated on every run).",
+    help="Store directory (the demo's own store is recreated on every run).",
 )
 @click.option("--layers", default=16, show_default=True)
 @click.option("--blocks", default=32, show_default=True, help="KV blocks per layer.")
-def demo(path: Path, layers: int, blocks: int) -> None:
-    """Write a small model's KV pages, read them back, survive a SIGKILL."""
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Delete a store at --path that the demo did not create (it is refused otherwise).",
+)
+def demo(path: Path, layers: int, blocks: int, force: bool) -> None:
+    """Write a small model's KV pages, read them back, survive a SIGKILL.
+
+    The demo deletes and recreates its own store at --path; a store it did not
+    create there is refused (exit 2) unless --force.
+    """
     with _errors():
-        _run_demo(path, layers, blocks)
+        _run_demo(path, layers, blocks, force=force)
 
 
-def _run_demo(path: Path, layers: int, blocks: int) -> None:
+def _run_demo(path: Path, layers: int, blocks: int, *, force: bool = False) -> None:
     if path.exists():
-        if not (path / SUPERBLOCK_NAME).exists() and any(path.iterdir()):
-            raise click.UsageError(f"{path} exists and is not a kvstore; pick another --path")
+        if not (path / SUPERBLOCK_NAME).exists():
+            if path.is_dir() and any(path.iterdir()):
+                raise click.UsageError(f"{path} exists and is not a kvstore; pick another --path")
+            if not path.is_dir():
+                raise click.UsageError(f"{path} is a file, not a directory; pick another --path")
+        elif not (path / DEMO_MARKER_NAME).exists() and not force:
+            raise click.UsageError(
+                f"{path} holds a kvstore the demo did not create, and the demo would delete "
+                "it; pick another --path, or add --force to delete that store"
+            )
         shutil.rmtree(path)
     page_bytes = int(np.prod(_DEMO_SHAPE)) * 2
     total = layers * blocks
@@ -830,6 +847,10 @@ def _run_demo(path: Path, layers: int, blocks: int) -> None:
         for block in range(blocks)
     }
     with KVStore.open(path, create=True, segment_bytes=64 << 20) as store:
+        (path / DEMO_MARKER_NAME).write_text(
+            "created by `kvstore demo`, which deletes and recreates this store on its next run\n",
+            encoding="utf-8",
+        )
         stats = store.stats()
         console.print(
             f"store at {store.root}: engine {stats.io_engine} ({stats.io_engine_reason}), "

@@ -15,6 +15,9 @@ CREATING_SUFFIX = ".creating"
 # temporary file during an atomic save.
 TIERING_STATS_NAME = "tiering-stats.json"
 TIERING_STATS_TMP_NAME = "tiering-stats.json.tmp"
+# Left in a store `kvstore demo` created: the demo deletes and recreates only a store
+# that holds it (any other store at its --path is refused unless --force).
+DEMO_MARKER_NAME = "kvstore-demo"
 
 _SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
 _WAL_RE = re.compile(r"^([0-9a-f]{16})\.wal$")
