@@ -70,7 +70,7 @@ err_console = Console(stderr=True, soft_wrap=True)
 def error_json(error: BaseException, exit_code: int) -> dict[str, object]:
     """What ``--json`` prints when a command fails (docs/operations.md)."""
     return {
-        "error": {"type": type(error).__name__, "message": str(error)},
+        "error": {"type": type(error).__name__, "message": _message_of(error)},
         "exit_code": exit_code,
     }
 
@@ -80,9 +80,20 @@ def _exit_code_of(error: BaseException) -> int:
         return EXIT_LOCKED
     if isinstance(error, CorruptionError):
         return EXIT_CORRUPT
-    if isinstance(error, KVStoreError):
-        return EXIT_OPERATIONAL
+    if isinstance(error, KVStoreError | OSError):
+        return EXIT_OPERATIONAL  # an OSError kvstore did not wrap: I/O, all the same
     return EXIT_USAGE  # ValueError / TypeError: a key, meta or option the store refuses
+
+
+def _os_reason(error: OSError) -> str:
+    """An OSError as its reason alone ("No such file or directory"), no repr."""
+    return error.strerror or str(error) or type(error).__name__
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """One error line on stderr, then exit ``code``."""
+    err_console.print(f"[red]error:[/red] {escape(message)}")
+    sys.exit(code)
 
 
 @contextmanager
@@ -93,13 +104,20 @@ def _errors(as_json: bool = False) -> Iterator[None]:
     """
     try:
         yield
-    except (KVStoreError, ValueError, TypeError) as e:
+    except (KVStoreError, ValueError, TypeError, OSError) as e:
         code = _exit_code_of(e)
         label = "corruption" if code == EXIT_CORRUPT else "error"
-        err_console.print(f"[red]{label}:[/red] {escape(str(e))}")
+        err_console.print(f"[red]{label}:[/red] {escape(_message_of(e))}")
         if as_json:
             click.echo(json.dumps(error_json(e, code), indent=2))
         sys.exit(code)
+
+
+def _message_of(error: BaseException) -> str:
+    if isinstance(error, OSError) and not isinstance(error, KVStoreError):
+        where = f"{error.filename}: " if error.filename is not None else ""
+        return f"{where}{_os_reason(error)}"
+    return str(error)
 
 
 @click.group()
@@ -555,7 +573,12 @@ def _sample_share(
 
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--port", type=int, required=True, help="HTTP port for /metrics.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    required=True,
+    help="HTTP port for /metrics (0: any free port).",
+)
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--device", help="Also export the drive's SMART wear (runs nvme/smartctl).")
 @click.option(
@@ -600,7 +623,11 @@ def metrics(path: Path, port: int, addr: str, device: str | None, tier: bool | N
         registry = registry_for(lambda: read_snapshot(path), smart_reader)
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # before the server thread starts
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:  # the port in use, an address not of this host
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        _fail(f"cannot serve metrics on {addr}:{port}: {_os_reason(e)}", EXIT_OPERATIONAL)
     beside = f" with the tier statistics of {path / STATS_FILE}" if with_tier else ""
     click.echo(f"serving metrics of {path} on http://{addr}:{server.server_port}/metrics{beside}")
     sys.stdout.flush()
@@ -627,11 +654,17 @@ def report(path: Path, html_path: Path, days: int, png_dir: Path | None) -> None
 
     with _errors():
         page, images = render_html(read_snapshot(path), days=days)
-    html_path.write_text(page)
-    if png_dir is not None:
-        png_dir.mkdir(parents=True, exist_ok=True)
-        for index, image in enumerate(images, 1):
-            (png_dir / f"plot{index}.png").write_bytes(image)
+    target = html_path
+    try:
+        html_path.write_text(page)
+        if png_dir is not None:
+            target = png_dir
+            png_dir.mkdir(parents=True, exist_ok=True)
+            for index, image in enumerate(images, 1):
+                target = png_dir / f"plot{index}.png"
+                target.write_bytes(image)
+    except OSError as e:  # a missing directory, no permission, a full disk
+        _fail(f"cannot write {target}: {_os_reason(e)}", EXIT_OPERATIONAL)
     console.print(f"wrote {html_path} ({len(page):,} bytes, {len(images)} plots)")
 
 

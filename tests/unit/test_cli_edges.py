@@ -5,10 +5,12 @@ demo that never deletes a store it did not create.
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import pytest
 from click.testing import CliRunner, Result
 
 from kvstore import KVStore
@@ -22,6 +24,14 @@ def run(*args: str, stdin: bytes | None = None) -> Result:
 
 def json_of(result: Result) -> Any:
     return json.loads(result.stdout)
+
+
+@pytest.fixture
+def built_store(tmp_path: Path) -> Path:
+    path = tmp_path / "store"
+    with KVStore.open(path, create=True) as store:
+        store.put("k", b"value", sync=True)
+    return path
 
 
 # -- demo (item 4) -------------------------------------------------------------------
@@ -56,3 +66,65 @@ def test_demo_refuses_a_directory_that_is_no_store(tmp_path: Path) -> None:
     result = run("demo", "--path", str(tmp_path), "--layers", "1", "--blocks", "2", "--force")
     assert result.exit_code == 2
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+# -- ordinary mistakes: one line, exit 8 or 2 (item 5) ---------------------------------
+
+
+def one_error_line(result: Result) -> str:
+    assert "Traceback" not in result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: "), line
+    return line
+
+
+def test_metrics_on_a_port_in_use_is_one_line_exit_8(built_store: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("metrics", str(built_store), "--port", str(port), "--addr", "127.0.0.1")
+    assert result.exit_code == 8, result.output
+    line = one_error_line(result)
+    assert f"127.0.0.1:{port}" in line and "in use" in line
+
+
+def test_metrics_on_a_port_out_of_range_is_a_usage_error(built_store: Path) -> None:
+    for port in ("70000", "-1"):
+        result = run("metrics", str(built_store), "--port", port)
+        assert result.exit_code == 2, result.output
+        assert "--port" in result.output and "Traceback" not in result.output
+
+
+def test_report_into_a_missing_directory_is_one_line_exit_8(
+    built_store: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "missing" / "report.html"
+    result = run("report", str(built_store), "--html", str(target))
+    assert result.exit_code == 8, result.output
+    line = one_error_line(result)
+    assert str(target) in line and "No such file or directory" in line
+
+
+def test_init_under_a_path_it_cannot_create_is_one_line_exit_8(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run("init", str(tmp_path / "file" / "store"))
+    assert result.exit_code == 8, result.output
+    assert str(tmp_path / "file") in one_error_line(result)
+
+
+def test_an_unwrapped_os_error_is_one_line_exit_8(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As an unprivileged user under a read-only directory (the tests may run as root)."""
+    denied = tmp_path / "ro" / "store"
+
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise PermissionError(errno.EACCES, "Permission denied", str(denied.parent))
+
+    monkeypatch.setattr(KVStore, "open", refuse)
+    result = run("init", str(denied))
+    assert result.exit_code == 8, result.output
+    assert one_error_line(result) == f"error: {denied.parent}: Permission denied"
