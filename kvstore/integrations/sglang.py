@@ -73,6 +73,14 @@ Extra config keys (besides SGLang's ``backend_name``, ``module_path``,
 - ``load_timeout_s`` (30.0): a load still in flight after this long is logged (and
   waited for: its copies target host pages SGLang would otherwise reuse).
 
+One live instance per rank and namespace under ``path``: a second one (another
+server, or a leftover instance in this process) is refused at creation with
+``LockedError`` naming the holder's pid (``<path>/.<model>-<hash>.instance.lock``,
+released by ``close``), so SGLang's start-up fails rather than every call later.
+The claim is taken before the host pool fixes the page geometry: two servers of
+one model and rank with different KV dtypes or layouts sharing ``path`` need
+different ``namespace`` values.
+
 Not implemented: the v2 calls (``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``,
 hybrid Mamba/SWA pools), pointer-only legacy calls (``target_locations`` without
 tensors), and an MLA copy shared across TP ranks (above).
@@ -89,6 +97,7 @@ import re
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,7 +109,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorageExtraInfo,
 )
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import IOFailure, KVStoreError, LockedError
 from kvstore.tiering import TierConfig, TierManager
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
 from kvstore.tiering.cost import CostModel, PlanCost
@@ -227,6 +236,45 @@ def namespace_dir(root: Path, fields: Mapping[str, Any]) -> Path:
     return root / f"{model[:64] or 'model'}-{digest}"
 
 
+_GEOMETRY_FIELDS = ("layout", "dtype", "page_tokens", "part_bytes")
+
+
+def claim_instance(root: Path, config: HiCacheStorageConfig) -> int:
+    """Take the flock that makes this backend the one live instance of its rank and
+    namespace under ``root`` (the store's own writer lock is only taken at first use,
+    once the host pool fixes the geometry: too late for SGLang's start-up check).
+    Returns the fd (closing it releases the claim); raises ``LockedError`` naming the
+    holder's pid, as ``KVStore.open`` does."""
+    import fcntl
+
+    fields = namespace_fields(config, _Geometry("", "", 0, ()))
+    for name in _GEOMETRY_FIELDS:
+        fields.pop(name)
+    path = namespace_dir(root, fields)
+    path = path.with_name(f".{path.name}.instance.lock")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise IOFailure(f"cannot open {path}", e.errno) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise LockedError(
+            f"another live KVStoreHiCache (pid {holder}) uses {root} for this rank and "
+            f"namespace ({path.name})"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise IOFailure(f"cannot record the instance's pid in {path}", e.errno) from e
+    return fd
+
+
 def _new_storage_metrics() -> Any:
     """SGLang's ``StorageMetrics`` (its collector asserts the type); imported on use:
     the module pulls in SGLang's server configuration."""
@@ -279,6 +327,9 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         self._counter_lock = threading.Lock()
         self.directory: Path | None = None
         self.mem_pool_host: Any = None
+        # A second live instance on the same store is refused here, at creation.
+        self._claim_fd = claim_instance(self.root, storage_config)
+        self._release = weakref.finalize(self, os.close, self._claim_fd)
         if storage_config.is_mla_model and storage_config.tp_size > 1:
             _log.warning(
                 "kvstore HiCache: an MLA model with tp_size=%d: SGLang writes L3 pages "
@@ -312,6 +363,9 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
             return self._tm
 
     def _open(self) -> None:
+        if not self._release.alive:  # used again after close(): claim again
+            self._claim_fd = claim_instance(self.root, self.storage_config)
+            self._release = weakref.finalize(self, os.close, self._claim_fd)
         geometry = self._geometry
         fields = namespace_fields(self.storage_config, geometry)
         directory = namespace_dir(self.root, fields)
@@ -695,9 +749,12 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
     def close(self) -> None:
         """Finish in-flight NVMe writes and close the store. Idempotent."""
         with self._lock:
-            if self._tm is not None:
-                self._tm.close()
-                self._tm = None
+            try:
+                if self._tm is not None:
+                    self._tm.close()
+                    self._tm = None
+            finally:
+                self._release()
 
 
 def _write_json(path: Path, fields: Mapping[str, Any]) -> None:

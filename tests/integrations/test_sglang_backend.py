@@ -302,17 +302,22 @@ def test_v1_chains_to_the_prefix_keys_and_reports_a_missing_page(
 
 
 def test_v1_namespaces_by_layout_and_dtype(tmp_path: Path, opened: list[Any]) -> None:
+    # One live instance per rank and namespace (#11): each closes before the next.
     pool = FakeHostPool("page_first")
     writer = make_kvstore(tmp_path, pool)
     opened.append(writer)
     pool.fill(0, 1, seed=1)
     assert writer.batch_set_v1(["n0"], indices(0, 1)) == [True]
+    writer.close()
     for other_pool in (FakeHostPool("layer_first"), FakeHostPool("page_first", torch.float16)):
         reader = make_kvstore(tmp_path, other_pool)
         opened.append(reader)
         assert not reader.exists("n0")
         assert reader.batch_exists(["n0"]) == 0
-    assert writer.exists("n0")
+        reader.close()
+    again = make_kvstore(tmp_path, FakeHostPool("page_first"))
+    opened.append(again)
+    assert again.exists("n0")
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -522,3 +527,30 @@ def test_an_mla_model_over_several_tp_ranks_is_warned_about(
         assert "MLA" not in caplog.text
         make_kvstore(tmp_path / "mla", is_mla_model=True).close()
     assert "MLA model with tp_size=2" in caplog.text
+
+
+def test_a_second_live_instance_is_refused_at_creation(tmp_path: Path) -> None:
+    """Issue 29 #11: a second live instance on the same store got LockedError on every
+    call, first at use, so SGLang's start-up check never saw it. It is refused at
+    creation, naming the holder's pid; another rank, or a successor after close, is not."""
+    import os
+
+    from kvstore.errors import LockedError
+
+    first = make_kvstore(tmp_path)
+    try:
+        with pytest.raises(LockedError, match=rf"pid {os.getpid()}\b"):
+            StorageBackendFactory.create_backend(
+                "dynamic", storage_config(kvstore_extra(tmp_path)), None
+            )
+        other_rank = make_kvstore(tmp_path, tp_rank=1)
+        assert first.set("k", value(1))
+        close(other_rank)
+    finally:
+        close(first)
+    successor = make_kvstore(tmp_path)
+    try:
+        got = successor.get("k", torch.empty(256))
+        assert got is not None and torch.equal(got, value(1))
+    finally:
+        close(successor)
