@@ -159,6 +159,9 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
     - ``failed_load_ttl_s`` (5.0): after a chunk failed to load, every request
       is told MISS for it for this long (the request that saw the failure, for
       the rest of its life), so vLLM recomputes it rather than retrying the read.
+    - ``backpressure`` (vLLM's own key): a detector without a ``failure_threshold``
+      gets vLLM's default for its ``fs`` tier (3 consecutive failed stores put the
+      tier under pressure), which vLLM's factory gives only to its own tier types.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -179,6 +182,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        _default_failure_threshold(backpressure_detector)
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be an integer of at least 1, got {io_threads!r}")
         if (
@@ -729,6 +733,19 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self._jobs_in_flight -= 1
             if self._jobs_in_flight == 0:
                 self._idle.notify_all()
+
+
+def _default_failure_threshold(detector: Any) -> None:
+    """Give a store-failure threshold to a backpressure detector that has none.
+
+    vLLM's factory defaults ``failure_threshold`` (3 consecutive failed stores put
+    the tier under pressure, e.g. a full filesystem) only for its own storage tier
+    types (``fs``, ``obj``), not for a tier it loads from ``module_path``; this tier
+    is storage too. An explicit ``failure_threshold`` in the tier's ``backpressure``
+    config is kept."""
+    default = getattr(type(detector), "DEFAULT_FAILURE_THRESHOLD", None)
+    if default is not None and getattr(detector, "_failure_threshold", 0) is None:
+        detector._failure_threshold = default
 
 
 def _request_id(req_context: ReqContext | None) -> str | None:

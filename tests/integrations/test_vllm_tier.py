@@ -729,3 +729,26 @@ def test_a_degraded_store_is_reported_once_at_start(
     assert healthy.degraded == {}
     assert "opened degraded" not in caplog.text
     healthy.shutdown()
+
+
+def test_a_backpressure_detector_gets_the_fs_tiers_store_failure_threshold(
+    tmp_path: Path,
+) -> None:
+    """Issue 29 #12: vLLM defaults failure_threshold (3) only for its fs/obj tiers;
+    this tier is storage too, so its detector gets the same default; an explicit
+    threshold is kept."""
+    from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+
+    defaults = EMABackpressureDetector.default_config("KVStoreTier")
+    assert "failure_threshold" not in defaults  # what vLLM's factory gives this tier
+    detector = EMABackpressureDetector(**defaults)
+    tier, _ = direct_tier(tmp_path / "a", backpressure_detector=detector)
+    assert detector._failure_threshold == EMABackpressureDetector.DEFAULT_FAILURE_THRESHOLD
+    for _ in range(EMABackpressureDetector.DEFAULT_FAILURE_THRESHOLD):
+        detector.on_store_failed()
+    assert detector._under_pressure
+    tier.shutdown()
+    explicit = EMABackpressureDetector(**defaults, failure_threshold=7)
+    tier, _ = direct_tier(tmp_path / "b", backpressure_detector=explicit)
+    assert explicit._failure_threshold == 7
+    tier.shutdown()
