@@ -101,6 +101,7 @@ FINDING_KINDS = (
     "accounting",
     "orphan-segment",
     "stray-file",
+    "set-aside",
     "stale-wal",
     "wal-chain",
     "wal-record",
@@ -900,6 +901,28 @@ def _check_files(run: _Run) -> None:
 def _left_by_recover(name: str) -> bool:
     """``kvstore recover`` keeps what it replaced as ``*.damaged-<ts>`` (for forensics)."""
     return ".damaged-" in name
+
+
+def set_aside_findings(root: str | os.PathLike[str]) -> list[Finding]:
+    """A ``set-aside`` warning for each ``*.damaged-<ts>`` entry at the store's root.
+
+    Not stray files (``check_store`` passes over them: kvstore made them), but not
+    to keep forever: ``kvstore fsck`` lists them until the operator removes them.
+    """
+    try:
+        names = sorted(name for name in os.listdir(root) if _left_by_recover(name))
+    except OSError:
+        return []  # check_store reports a directory it cannot list
+    return [
+        Finding(
+            "warning",
+            "set-aside",
+            f"{name}: set aside by kvstore recover (or a salvaging open), no longer "
+            "used; inspect it, then remove it",
+            str(Path(root) / name),
+        )
+        for name in names
+    ]
 
 
 def _writer_may_be_live(store: KVStore) -> bool:

@@ -47,7 +47,7 @@ from rich.progress import (
 from rich.table import Table
 
 from kvstore.bench.cli import bench as bench_command
-from kvstore.check import Finding, Findings, check_path, check_store
+from kvstore.check import Finding, Findings, check_path, check_store, set_aside_findings
 from kvstore.errors import CorruptionError, KVStoreError, LockedError
 from kvstore.format.names import DEMO_MARKER_NAME, SUPERBLOCK_NAME
 from kvstore.store import KVStore
@@ -245,6 +245,7 @@ def fsck(path: Path, deep: bool, repair: bool, as_json: bool) -> None:
         else:
             with store:
                 findings = _run_fsck(store, deep=deep, repair=repair, quiet=as_json)
+        findings.extend(set_aside_findings(path))  # listed (docs/operations.md)
     except (KVStoreError, ValueError) as e:  # FormatVersionError too: exit 8, as README says
         err_console.print(f"[red]error:[/red] {escape(str(e))}")
         if as_json:
@@ -372,16 +373,39 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
     else:
         verb = "would keep" if dry_run else "kept"
         console.print(
-            f"{'dry run: ' if dry_run else ''}{path}: {verb} {len(report.kept)} pages "
-            f"{report.kept_by_source or ''}; dropped {len(report.dropped)} records "
-            f"{report.dropped_by_reason or ''}; index was {report.index_state}; "
+            f"{'dry run: ' if dry_run else ''}{path}: {verb} {len(report.kept):,} pages"
+            f"{_by(report.kept_by_source, 'from')}; dropped {len(report.dropped):,} records"
+            f"{_by(report.dropped_by_reason, 'as')}; index was {report.index_state}; "
             f"new checkpoint LSN {report.new_checkpoint_lsn}"
         )
         for note in report.notes:
             console.print(f"  note: {note}")
+        healthy = (
+            report.index_state == "ok"
+            and not report.lost
+            and not report.notes
+            and not report.damaged_segments
+            and not report.superblock_rebuilt
+        )
+        if healthy:
+            console.print(
+                f"  the store {'is' if dry_run else 'was'} healthy: its index read whole and "
+                "nothing was lost (recover is for a store that will not open; "
+                f"`kvstore fsck {path}` first)"
+            )
         if report.moved_aside:
-            console.print(f"  moved aside: {', '.join(report.moved_aside)}")
+            console.print(
+                f"  moved aside: {', '.join(report.moved_aside)} (the store no longer uses "
+                "them; fsck lists them as set-aside until you remove them)"
+            )
     sys.exit(RECOVER_LOST if report.lost else RECOVER_OK)
+
+
+def _by(counts: dict[str, int], word: str) -> str:
+    """`` (3 from index, 1 from wal)``: a count per reason, in words, or nothing."""
+    if not counts:
+        return ""
+    return " (" + ", ".join(f"{n:,} {word} {name}" for name, n in counts.items()) + ")"
 
 
 # -- gc ----------------------------------------------------------------------

@@ -128,3 +128,26 @@ def test_an_unwrapped_os_error_is_one_line_exit_8(
     result = run("init", str(denied))
     assert result.exit_code == 8, result.output
     assert one_error_line(result) == f"error: {denied.parent}: Permission denied"
+
+
+# -- recover on a healthy store (item 8) ------------------------------------------------
+
+
+def test_recover_on_a_healthy_store_says_so_and_fsck_lists_what_it_set_aside(
+    built_store: Path,
+) -> None:
+    result = run("recover", str(built_store))
+    assert result.exit_code == 0, result.output
+    assert "the store was healthy" in result.output
+    assert "moved aside: index.damaged-" in result.output
+    assert "{" not in result.output  # no Python dict repr of the counts
+    aside = sorted(p.name for p in built_store.glob("*.damaged-*"))
+    assert [name.split(".")[0] for name in aside] == ["index", "wal"]
+
+    fsck = run("fsck", str(built_store), "--json")
+    assert fsck.exit_code == 0, fsck.output  # warnings: still clean for the exit code
+    listed = [f for f in json_of(fsck) if f["kind"] == "set-aside"]
+    assert sorted(Path(f["path"]).name for f in listed) == aside
+    assert all(f["severity"] == "warning" for f in listed)
+    fsck = run("fsck", str(built_store))
+    assert "clean" not in fsck.output and "set-aside" in fsck.output
