@@ -714,6 +714,7 @@ def start_writing(store: KVStore, recovered: Recovered) -> None:
     first_lsn = store._state.take_lsn_locked()
     store._journal.wal = WalWriter(store.root, store.superblock.store_uuid, first_lsn, prev)
     store._state.tv[tc.WAL] += WAL_FILE_HEADER_BYTES
+    store._recorder.gauges_locked = store._gauges_locked  # persisted with the counters
     store._recorder.start_session()  # counting for stats() starts once open
 
 

@@ -751,8 +751,14 @@ class KVStore:
         self._check_open()
         with self._state.lock:
             values = list(self._state.tv)
-            gauges = gauges_locked(self._state, self._degraded.fields(self._env.check_seconds))
+            gauges = self._gauges_locked()
         return self._recorder.snapshot(values, gauges, path=str(self.root))
+
+    def _gauges_locked(self) -> dict[str, float]:
+        """Fill levels and what a degraded open found (the exporter's gauges; the
+        recorder persists them for ``kvstore metrics PATH``). Caller holds the state lock."""
+        degraded = self._degraded.fields(self._env.check_seconds)
+        return gauges_locked(self._state, degraded, self.config.segment_bytes)
 
     def wear(self) -> WearReport:
         """Write amplification, DWPD over 1 h / 24 h / 7 d, projected drive life."""

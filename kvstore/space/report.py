@@ -44,8 +44,11 @@ class Degraded:
         }
 
 
-def gauges_locked(st: StoreState, degraded: dict[str, Any]) -> dict[str, float]:
-    """The gauges of a telemetry snapshot. Caller holds the state lock."""
+def gauges_locked(
+    st: StoreState, degraded: dict[str, Any], segment_bytes: int | None = None
+) -> dict[str, float]:
+    """The gauges of a telemetry snapshot (``free_bytes`` as ``stats()``, given the
+    segment size). Caller holds the state lock."""
     gauges = {
         "pages": float(len(st.table)),
         "segments": float(len(st.segments)),
@@ -55,6 +58,8 @@ def gauges_locked(st: StoreState, degraded: dict[str, Any]) -> dict[str, float]:
     }
     if st.capacity_bytes is not None:
         gauges["capacity_bytes"] = float(st.capacity_bytes)
+        if segment_bytes is not None:
+            gauges["free_bytes"] = float(st.capacity_bytes - len(st.segments) * segment_bytes)
     for name, value in degraded.items():
         if isinstance(value, bool | int) and name != "index_check_seconds":
             gauges[name] = float(value)

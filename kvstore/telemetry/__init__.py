@@ -184,4 +184,5 @@ def read_snapshot(
         capacity_bytes=capacity,
         capacity_source=source,
         live=False,
+        gauges=telemetry.gauges,  # the writer's at its last save (fill levels, degraded)
     )

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from bisect import bisect_left
@@ -30,6 +31,7 @@ from kvstore.format.checksum import checksum
 
 __all__ = [
     "COUNTER_NAMES",
+    "GAUGE_NAMES",
     "LATENCY_BOUNDS_S",
     "LATENCY_OPS",
     "TELEMETRY_DB",
@@ -126,8 +128,28 @@ _HEAD = struct.Struct("<HHI")  # version, counter count, zero
 _STATE_EXTRA = struct.Struct("<QQQ")  # created_unix_ns, saved_unix_ns, current hour
 _WEAR = struct.Struct("<HHIQddd")  # version, zero, zero, capacity, rated, warranty, max
 _U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+
+# The writer's gauges at its last save (the "gauges" key: docs/format.md), for readers
+# beside it (``kvstore metrics PATH``). Only ever appended to: a reader takes the
+# names it knows from the front; NaN = none (a store without a capacity has no
+# capacity_bytes or free_bytes).
+GAUGE_NAMES = (
+    "pages",
+    "segments",
+    "live_bytes",
+    "free_bytes",
+    "capacity_bytes",
+    "degraded",
+    "quarantined_segments",
+    "quarantined_pages",
+    "salvaged_pages",
+    "damaged_wal_headers",
+    "index_salvaged",
+)
 STATE_KEY = b"state"
 WEAR_KEY = b"wear"
+GAUGES_KEY = b"gauges"
 HOUR_PREFIX = b"hour"
 SECONDS_PER_HOUR = 3600
 
@@ -273,6 +295,34 @@ def encode_wear(settings: WearSettings) -> bytes:
     return body + _U64.pack(checksum(WEAR_KEY + body))
 
 
+def encode_gauges(gauges: Mapping[str, float]) -> bytes:
+    """The "gauges" value: ``GAUGE_NAMES`` in order, f64 each, NaN where absent."""
+    body = _HEAD.pack(TELEMETRY_VERSION, len(GAUGE_NAMES), 0) + b"".join(
+        _F64.pack(float(gauges.get(name, math.nan))) for name in GAUGE_NAMES
+    )
+    return body + _U64.pack(checksum(GAUGES_KEY + body))
+
+
+def decode_gauges(raw: bytes) -> dict[str, float]:
+    """The gauges a writer saved (those this version knows); ValueError when unreadable."""
+    if len(raw) < _HEAD.size + 8:
+        raise ValueError(f"telemetry gauges: {len(raw)} bytes is too short")
+    body = raw[:-8]
+    if checksum(GAUGES_KEY + body) != _U64.unpack(raw[-8:])[0]:
+        raise ValueError("telemetry gauges: checksum mismatch")
+    version, count, _ = _HEAD.unpack_from(body)
+    if version != TELEMETRY_VERSION:
+        raise ValueError(f"telemetry gauges: unknown version {version}")
+    if len(body) != _HEAD.size + count * _F64.size:
+        raise ValueError(f"telemetry gauges: {len(body)} bytes for {count} gauges")
+    values = [value for (value,) in _F64.iter_unpack(body[_HEAD.size :])]
+    return {
+        name: value
+        for name, value in zip(GAUGE_NAMES, values, strict=False)
+        if not math.isnan(value)
+    }
+
+
 def decode_wear(raw: bytes) -> WearSettings:
     if len(raw) != _WEAR.size + 8:
         raise ValueError("telemetry wear settings have the wrong length")
@@ -306,6 +356,7 @@ class Telemetry:
         self.hours: dict[int, tuple[int, ...]] = {}  # closed hours (and the loaded current)
         self._dirty_hours: set[int] = set()
         self.wear = WearSettings()
+        self.gauges: dict[str, float] = {}  # as loaded: the last writer's at its last save
         self.notes: list[str] = []
         self.loaded = False
         # Guards the hour state (hour, _hour_start, hours, _dirty_hours): the telemetry
@@ -357,6 +408,7 @@ class Telemetry:
         with env.begin(write=False, buffers=False) as txn:
             raw_state = txn.get(STATE_KEY, db=db)
             raw_wear = txn.get(WEAR_KEY, db=db)
+            raw_gauges = txn.get(GAUGES_KEY, db=db)
             raw_hours = [
                 (bytes(key), bytes(value))
                 for key, value in txn.cursor(db=db)
@@ -367,6 +419,11 @@ class Telemetry:
                 self.wear = decode_wear(bytes(raw_wear))
             except ValueError as e:
                 self.notes.append(f"{e}; wear settings ignored")
+        if raw_gauges is not None:
+            try:
+                self.gauges = decode_gauges(bytes(raw_gauges))
+            except ValueError as e:
+                self.notes.append(f"{e}; gauges ignored")
         hours: dict[int, tuple[int, ...]] = {}
         for key, value in raw_hours:
             hour = int.from_bytes(key[len(HOUR_PREFIX) :], "big")
@@ -400,11 +457,12 @@ class Telemetry:
         db: Any,
         snapshot: list[int],
         now: float,
+        gauges: Mapping[str, float] | None = None,
     ) -> None:
         """One LMDB write transaction through ``write`` (the store's ``IndexEnv.write``,
         which grows the map and is the path the fault injector sees): the totals, the
-        current hour, hours closed since the last save; hours past the retention are
-        deleted."""
+        current hour, hours closed since the last save, the writer's ``gauges`` when
+        given; hours past the retention are deleted."""
         with self._hours_lock:
             self._sample_locked(snapshot, now)
             self.saved_unix_ns = int(now * 1e9)
@@ -421,6 +479,8 @@ class Telemetry:
         def body(txn: Any) -> None:
             txn.put(STATE_KEY, state, db=db)
             txn.put(WEAR_KEY, encode_wear(wear), db=db)
+            if gauges is not None:
+                txn.put(GAUGES_KEY, encode_gauges(gauges), db=db)
             txn.put(hour_key(current.hour), encode_hour(current.hour, current.values), db=db)
             for hour, values in dirty.items():
                 txn.put(hour_key(hour), encode_hour(hour, values), db=db)

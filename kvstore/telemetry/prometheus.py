@@ -10,7 +10,8 @@ base units (``_seconds``, ``_bytes``); ``lint_exposition`` checks that, as
 
 Every scrape reads a fresh ``TelemetrySnapshot`` through the callable given to
 ``registry_for``: the live counters for ``KVStore.metrics_registry()``, the
-persisted ones for ``kvstore metrics PATH`` (which runs beside the writer).
+persisted ones for ``kvstore metrics PATH`` (which runs beside the writer): there the
+gauges (fill levels, a degraded open) are the writer's at its last save.
 Imports prometheus_client; only the exporter and the engine's mount import this.
 """
 
@@ -209,7 +210,8 @@ class StoreCollector(Collector):
             ("live_bytes", "Record bytes of live pages"),
             ("pinned_pages", "Pins held in this process"),
             ("retained_pages", "Retained pages"),
-            ("capacity_bytes", "The store's capacity"),
+            ("capacity_bytes", "The store's capacity (no sample without one)"),
+            ("free_bytes", "Capacity less the segment files' bytes: room left to grow into"),
             # A degraded open (docs/operations.md, "Degraded open"): nonzero means the
             # store opened around damage; `kvstore fsck PATH` says what to repair.
             ("degraded", "1 when this open found damage it repaired, salvaged or quarantined"),

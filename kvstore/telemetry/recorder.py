@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,11 @@ class Recorder:
         self.notes: list[str] = []  # for recovery_notes, from this open only
         self._db: Any = None
         self._saved: list[int] | None = None
+        # The store's gauges (fill levels, a degraded open), saved with the counters so
+        # readers beside the writer export them; set once the writer's open is done.
+        # Called under the state lock.
+        self.gauges_locked: Callable[[], dict[str, float]] | None = None
+        self._saved_gauges: dict[str, float] | None = None
         self.last_save = time.monotonic()
         self._samples: deque[_Sample] = deque(maxlen=512)
         try:
@@ -177,17 +183,21 @@ class Recorder:
         self.last_save = time.monotonic()
         with self._lock:
             snapshot = list(self.values)
+            gauges = self.gauges_locked() if self.gauges_locked is not None else None
         # Its own bytes do not count as a change, or an idle store would write forever.
         snapshot_key = snapshot[: tc.TELEMETRY] + snapshot[tc.TELEMETRY + 1 :]
         telemetry = self.telemetry
-        if self._saved == snapshot_key and (
-            int(telemetry.clock() // tc.SECONDS_PER_HOUR) == telemetry.hour
+        if (
+            self._saved == snapshot_key
+            and gauges == self._saved_gauges
+            and (int(telemetry.clock() // tc.SECONDS_PER_HOUR) == telemetry.hour)
         ):
             return
         before = tc.read_io_wchar()
-        telemetry.save(self._env.write, self._db, snapshot, telemetry.clock())
+        telemetry.save(self._env.write, self._db, snapshot, telemetry.clock(), gauges)
         after = tc.read_io_wchar()
         self._saved = snapshot_key
+        self._saved_gauges = gauges
         if before is not None and after is not None:
             with self._lock:
                 self.values[tc.TELEMETRY] += after - before

@@ -136,7 +136,7 @@ def test_promtool_accepts_the_tier_managers_registries(tmp_path: Path) -> None:
 
 def test_the_alert_rules_fire_on_the_series_the_exporters_export() -> None:
     """kvstore.rules.test.yml: the hit-rate floors count kv_cache_miss_total, the DWPD
-    alerts compare with the rating."""
+    alerts compare with the rating, kvstore_degraded fires KVStoreDegraded."""
     tests = Path(__file__).with_name("kvstore.rules.test.yml")
     done = subprocess.run(
         [promtool(), "test", "rules", str(tests)], capture_output=True, text=True, timeout=60

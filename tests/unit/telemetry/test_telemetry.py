@@ -329,3 +329,27 @@ def test_an_idle_writer_writes_nothing(
     while not writes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert writes, "a changed counter vector was not saved"
+
+
+def test_the_writers_gauges_round_trip_and_a_damaged_value_is_ignored() -> None:
+    gauges = {"pages": 3.0, "live_bytes": 12_000.0, "degraded": 1.0, "unknown_name": 7.0}
+    raw = tc.encode_gauges(gauges)
+    # Absent ones (no capacity here) and names this version does not keep are left out.
+    assert tc.decode_gauges(raw) == {"pages": 3.0, "live_bytes": 12_000.0, "degraded": 1.0}
+    damaged = bytearray(raw)
+    damaged[12] ^= 0x01
+    with pytest.raises(ValueError, match="checksum"):
+        tc.decode_gauges(bytes(damaged))
+    with pytest.raises(ValueError, match="too short"):
+        tc.decode_gauges(raw[:10])
+
+
+def test_a_reader_gets_the_closed_writers_gauges(open_store: OpenStore, store_path: Path) -> None:
+    store = open_store(capacity_bytes=16 << 20)
+    store.put_many([(f"k{index}", b"g" * 3000) for index in range(3)])
+    stats = store.stats()
+    store.close()
+    gauges = read_snapshot(store_path).gauges
+    assert gauges["pages"] == 3 and gauges["live_bytes"] == stats.live_bytes
+    assert gauges["capacity_bytes"] == 16 << 20 and gauges["free_bytes"] == stats.free_bytes
+    assert gauges["degraded"] == 0

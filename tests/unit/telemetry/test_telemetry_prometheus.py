@@ -164,13 +164,20 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
             exported.update(sample.name for sample in family.samples)
     rules = (REPO_ROOT / "docs" / "alerts" / "kvstore.rules.yml").read_text()
     expressions = re.findall(r"expr: (?:\|\n)?((?:.*\n)+?)\s+(?:for|labels):", rules)
-    assert len(expressions) == 13
+    assert len(expressions) == 14
     used = set()
     for expression in expressions:
         for name in re.findall(r"\b(kv[a-z0-9_]*)\b", expression):
             used.add(name)
     assert used and used <= exported, used - exported
-    for alert in ("DwpdOver80PercentOfRating", "EvictionStorm", "HitRateLow", "HitRateCritical"):
+    assert "expr: kvstore_degraded > 0" in rules
+    for alert in (
+        "DwpdOver80PercentOfRating",
+        "EvictionStorm",
+        "HitRateLow",
+        "HitRateCritical",
+        "KVStoreDegraded",
+    ):
         assert alert in rules
     assert "* 60 > 1000" in rules and "< 0.6" in rules and "< 0.4" in rules
     tier_rules = rules[rules.index("- name: kvstore-tier") :]
@@ -187,3 +194,41 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
     # misses): beside the tier manager, layer 0 and 1 hits are no NVMe misses.
     assert rules.count("+ sum by (instance, job) (rate(kv_cache_miss_total[10m]))) < 0.") == 2
     assert "miss" not in re.sub(r"kv_cache_miss_total|misses", "", "".join(expressions))
+
+
+def test_the_cli_exporter_has_the_writers_fill_levels_and_its_degraded_open(
+    store_path: Path,
+) -> None:
+    """`kvstore metrics PATH` beside a degraded writer: kvstore_degraded and the fill
+    levels (pages, live, free and capacity bytes) as the writer last saved them."""
+    from kvstore import KVStore
+    from tests.unit.telemetry.test_promtool import scrape_cli_exporter
+    from tests.unit.test_degraded_open import OPTIONS, build, flip, segment_files
+
+    build(store_path)
+    flip(segment_files(store_path)[1], 20)  # a damaged segment header: quarantined
+    with KVStore.open(store_path, capacity_bytes=64 << 20, **OPTIONS) as store:
+        stats = store.stats()
+        assert stats.degraded and stats.free_bytes is not None
+        store.checkpoint()  # the counters and gauges are saved
+        text = scrape_cli_exporter(store_path, "--no-tier")
+        assert lint_exposition(text) == []
+        found = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert found["kvstore_degraded"] == 1
+        assert found["kvstore_quarantined_segments"] == 1
+        assert found["kvstore_pages"] == stats.pages > 0
+        assert found["kvstore_live_bytes"] == stats.live_bytes > 0
+        assert found["kvstore_capacity_bytes"] == 64 << 20
+        assert found["kvstore_free_bytes"] == stats.free_bytes > 0
+        live = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(
+                generate_latest(store.metrics_registry()).decode()
+            )
+            for sample in family.samples
+        }
+        assert live["kvstore_free_bytes"] == stats.free_bytes
