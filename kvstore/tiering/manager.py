@@ -54,6 +54,7 @@ from kvstore.tiering.policy import (
     make_order,
 )
 from kvstore.tiering.results import (
+    UNBOUNDED_BYTES,
     LoadHandle,
     LoadPlan,
     LookupResult,
@@ -245,7 +246,9 @@ class TierManager:
         self._capacity = [
             self._hbm.capacity_bytes,
             self._dram.capacity_bytes,
-            (nvme_capacity if nvme_capacity is not None else 1 << 62) if self._nvme_enabled else 0,
+            (nvme_capacity if nvme_capacity is not None else UNBOUNDED_BYTES)
+            if self._nvme_enabled
+            else 0,
         ]
         if config.hbm == "engine":
             self._capacity[HBM] = config.hbm_bytes
@@ -992,6 +995,7 @@ class TierManager:
                 nvme_bytes_written=self._nvme_written[1],
                 nvme_pages_written=self._nvme_written[0],
                 load_failures=self._counters.get("load_failures", 0),
+                load_failure_reasons=self._prefixed("load_failure:"),
                 offload_latency_s={
                     k: (OFFLOAD_BUCKETS_S, tuple(int(c) for c in v[:-2]), v[-2], int(v[-1]))
                     for k, v in self._latency.items()
@@ -1827,8 +1831,20 @@ class TierManager:
             rec.waiters = []
         rec.waiters.append(_Waiter(handle, index, dst, wait_event))
 
+    def _load_failed(self, reason: str) -> None:
+        """One page of a load reported missing; ``reason`` labels it (nvme_read: the
+        read failed or came back short; no_slot: no DRAM slot to stage it; copy: the
+        copy to the destination failed; unreadable: no readable copy was left)."""
+        self._bump("load_failures")
+        self._bump("load_failure:" + reason)
+
     def _fire_waiters(
-        self, rec: PageRec, *, ok: bool, batch: dict[tuple[int, Path, int], _Copy] | None = None
+        self,
+        rec: PageRec,
+        *,
+        ok: bool,
+        batch: dict[tuple[int, Path, int], _Copy] | None = None,
+        reason: str = "unreadable",
     ) -> None:
         """Copy the page to each waiting load's destination (or fail the load). With
         ``batch``, the copies are collected there per (load, path, event) for the
@@ -1843,7 +1859,7 @@ class TierManager:
             if source is None:
                 handle.settle(index, 0)
                 self._unpin_load(handle, index)
-                self._bump("load_failures")
+                self._load_failed(reason)
                 continue
             path, view = source
             if batch is None:
@@ -2075,8 +2091,11 @@ class TierManager:
                 self._dram.free(rec.dram_slot)
                 rec.dram_slot = -1
                 self._clear_tier(rec, NVME)
-                self._bump("load_failures" if not rec.waiters else "read_failures")
-                self._fire_waiters(rec, ok=False)
+                if rec.waiters:
+                    self._bump("read_failures")
+                else:
+                    self._load_failed("nvme_read")
+                self._fire_waiters(rec, ok=False, reason="nvme_read")
                 self._forget_if_gone(rec)
                 continue
             self._set_tier(rec, DRAM)
@@ -2107,7 +2126,7 @@ class TierManager:
             handle.settle(index, rec.nbytes if ok and rec is not None else 0)
             self._unpin_load(handle, index)  # R4: the source slot is free to go now
             if not ok:
-                self._bump("load_failures")
+                self._load_failed("copy")
 
     # -- internals: restart ------------------------------------------------------------
 
@@ -2243,7 +2262,7 @@ class TierManager:
                 # the page is reported missing, the engine recomputes it.
                 queue.popleft()
                 self._bump("load:no_slot")
-                self._fire_waiters(rec, ok=False)
+                self._fire_waiters(rec, ok=False, reason="no_slot")
                 self._fetch_queue_since = self._now()
                 continue
             queue.popleft()

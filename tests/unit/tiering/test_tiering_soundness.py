@@ -294,6 +294,8 @@ def test_a_corrupt_nvme_page_fails_alone_its_neighbours_load(tmp_path: Path) -> 
                 assert handle.results[i] == PAGE, (i, handle.results)
                 assert torch.equal(dst[i], page(i)), i
         assert handle.loaded_pages == bad
+        # Counted once, labelled: the NVMe read of that page failed.
+        assert tm.stats().load_failure_reasons == {"nvme_read": 1}
         again = tm.lookup(ks)
         assert again.hit_pages == bad, again
 
