@@ -35,6 +35,8 @@ $(BIN)/.installed: pyproject.toml tools/check_toolchain.sh
 	PYTHON=$(PYTHON) tools/check_toolchain.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@echo "installing kvstore: building the io_uring binding (liburing 2024.5.3) from source:"
+	@echo "  about 2-3 minutes on 2 cores, quiet until done (pip caches it for later installs)"
 	$(BIN)/pip install -q --no-compile -e .
 	$(BIN)/python -m kvstore.io.probe || true
 	$(WARM_LIBURING)

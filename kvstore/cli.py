@@ -20,8 +20,10 @@ list, holding one finding of kind ``operational``).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -48,7 +50,7 @@ from rich.table import Table
 
 from kvstore.bench.cli import bench as bench_command
 from kvstore.check import Finding, Findings, check_path, check_store, set_aside_findings
-from kvstore.errors import CorruptionError, KVStoreError, LockedError
+from kvstore.errors import CorruptionError, KVStoreError, LockedError, StoreNotFoundError
 from kvstore.format.names import DEMO_MARKER_NAME, SUPERBLOCK_NAME
 from kvstore.store import KVStore
 from kvstore.tiering.sim_cli import sim as sim_command
@@ -113,11 +115,28 @@ def _errors(as_json: bool = False) -> Iterator[None]:
         sys.exit(code)
 
 
+# The library's hints name Python calls (create=True, readonly=True); on the command
+# line the same advice names commands.
+_CLI_HINTS: tuple[tuple[type[KVStoreError], str], ...] = (
+    (StoreNotFoundError, "create one with `kvstore init PATH`"),
+    (
+        LockedError,
+        "stop the writer first; stat, wear, metrics and fsck without --repair run beside it",
+    ),
+)
+
+
 def _message_of(error: BaseException) -> str:
+    """An error as one line for the command line."""
     if isinstance(error, OSError) and not isinstance(error, KVStoreError):
         where = f"{error.filename}: " if error.filename is not None else ""
         return f"{where}{_os_reason(error)}"
-    return str(error)
+    message = str(error)
+    if isinstance(error, KVStoreError) and error.hint:
+        for kind, hint in _CLI_HINTS:
+            if isinstance(error, kind):
+                return message.replace(error.hint, hint)
+    return message
 
 
 @click.group()
@@ -171,13 +190,52 @@ def stat(path: Path, as_json: bool) -> None:
 
 
 def _human(name: str, value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in name:
+    """A value of ``stats`` / ``wear`` in words: no Python reprs, no raw unix times."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if name.endswith("_unix_s") and isinstance(value, int | float):
+        when = datetime.datetime.fromtimestamp(value, tz=datetime.UTC)
+        return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+    if isinstance(value, int) and "bytes" in name:
         return f"{value:,} ({value / (1 << 20):,.1f} MiB)"
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, dict):
+        if not value:
+            return "none"
         return ", ".join(f"{key}={_human(name, item)}" for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_human(name, item) for item in value) or "none"
     return str(value)
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "null"
+
+
+def _parse_meta(meta: str | None) -> Any:
+    """``--meta``'s JSON, or a usage error naming --meta."""
+    if not meta:
+        return None
+    try:
+        parsed = json.loads(meta)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(
+            f"not JSON ({e.msg} at column {e.colno})", param_hint="--meta"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(
+            f"must be a JSON object ({{...}}), not {_json_kind(parsed)}", param_hint="--meta"
+        )
+    return parsed
 
 
 @main.command()
@@ -189,7 +247,7 @@ def put(path: Path, key: str, source: Any, meta: str | None) -> None:
     """Store the bytes of SOURCE (a file, or - for stdin) under KEY, durably."""
     data = source.read()
     with _errors():
-        parsed = json.loads(meta) if meta else None  # a JSONDecodeError is a usage error
+        parsed = _parse_meta(meta)
         with KVStore.open(path) as store:
             store.put(key, data, meta=parsed, sync=True)
         console.print(f"stored {len(data)} bytes under {key!r}")
@@ -247,9 +305,9 @@ def fsck(path: Path, deep: bool, repair: bool, as_json: bool) -> None:
                 findings = _run_fsck(store, deep=deep, repair=repair, quiet=as_json)
         findings.extend(set_aside_findings(path))  # listed (docs/operations.md)
     except (KVStoreError, ValueError) as e:  # FormatVersionError too: exit 8, as README says
-        err_console.print(f"[red]error:[/red] {escape(str(e))}")
+        err_console.print(f"[red]error:[/red] {escape(_message_of(e))}")
         if as_json:
-            failed = Finding("error", "operational", str(e), str(path))
+            failed = Finding("error", "operational", _message_of(e), str(path))
             click.echo(json.dumps([failed.as_dict()], indent=2))
         sys.exit(FSCK_OPERATIONAL)
     if as_json:
@@ -364,7 +422,7 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
     try:
         report = recover_store(path, salvage=salvage, dry_run=dry_run)
     except KVStoreError as e:
-        err_console.print(f"[red]error:[/red] {escape(str(e))}")
+        err_console.print(f"[red]error:[/red] {escape(_message_of(e))}")
         if as_json:
             click.echo(json.dumps(error_json(e, RECOVER_OPERATIONAL), indent=2))
         sys.exit(RECOVER_OPERATIONAL)
@@ -459,9 +517,9 @@ def gc_command(path: Path, full: bool, as_json: bool) -> None:
         )
         failed(e, EXIT_LOCKED, "[yellow]refused:[/yellow]", message)
     except CorruptionError as e:
-        failed(e, EXIT_CORRUPT, "[red]corruption:[/red]", str(e))
+        failed(e, EXIT_CORRUPT, "[red]corruption:[/red]", _message_of(e))
     except (KVStoreError, ValueError) as e:
-        failed(e, EXIT_OPERATIONAL, "[red]error:[/red]", str(e))
+        failed(e, EXIT_OPERATIONAL, "[red]error:[/red]", _message_of(e))
     if as_json:
         click.echo(json.dumps({"path": str(path), "full": full, **dataclasses.asdict(report)}))
         return
@@ -482,12 +540,24 @@ def gc_command(path: Path, full: bool, as_json: bool) -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--device", help="Block device for SMART (default: the one holding PATH).")
-@click.option("--capacity-bytes", type=int, help="Drive capacity for DWPD (overrides).")
-@click.option("--rated-dwpd", type=float, help="The drive's rated DWPD (overrides).")
-@click.option("--warranty-years", type=float, help="The drive's warranty (overrides).")
+@click.option(
+    "--capacity-bytes",
+    type=click.IntRange(min=1),
+    help="Drive capacity for DWPD (overrides).",
+)
+@click.option(
+    "--rated-dwpd",
+    type=click.FloatRange(min=0, min_open=True),
+    help="The drive's rated DWPD (overrides; > 0).",
+)
+@click.option(
+    "--warranty-years",
+    type=click.FloatRange(min=0, min_open=True),
+    help="The drive's warranty (overrides; > 0).",
+)
 @click.option(
     "--interval",
-    type=float,
+    type=click.FloatRange(min=0),
     default=0.0,
     help="Sample the device and the store twice this many seconds apart, to show the "
     "store's share of the device's writes meanwhile.",
@@ -878,6 +948,26 @@ def demo(path: Path, layers: int, blocks: int, force: bool) -> None:
         _run_demo(path, layers, blocks, force=force)
 
 
+_DEMO_KEY = re.compile(rb"req[01]/layer\d{2}/block\d{4}")
+
+
+def _made_by_demo(path: Path) -> bool:
+    """Whether the store at ``path`` is the demo's: its marker, or (a store an older
+    demo made, before the marker) a store holding nothing but the demo's pages."""
+    if (path / DEMO_MARKER_NAME).exists():
+        return True
+    try:
+        with KVStore.open(path, readonly=True) as store:
+            seen = False
+            for key in store.keys():  # noqa: SIM118 - KVStore is no dict
+                if _DEMO_KEY.fullmatch(key) is None:
+                    return False
+                seen = True
+            return seen
+    except (KVStoreError, OSError):
+        return False  # cannot tell: not the demo's
+
+
 def _run_demo(path: Path, layers: int, blocks: int, *, force: bool = False) -> None:
     if path.exists():
         if not (path / SUPERBLOCK_NAME).exists():
@@ -885,7 +975,7 @@ def _run_demo(path: Path, layers: int, blocks: int, *, force: bool = False) -> N
                 raise click.UsageError(f"{path} exists and is not a kvstore; pick another --path")
             if not path.is_dir():
                 raise click.UsageError(f"{path} is a file, not a directory; pick another --path")
-        elif not (path / DEMO_MARKER_NAME).exists() and not force:
+        elif not force and not _made_by_demo(path):
             raise click.UsageError(
                 f"{path} holds a kvstore the demo did not create, and the demo would delete "
                 "it; pick another --path, or add --force to delete that store"

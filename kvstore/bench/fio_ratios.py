@@ -48,6 +48,7 @@ from kvstore import KVStore
 from kvstore.bench.common import machine_info as common_machine_info
 from kvstore.bench.common import read_sysfs
 from kvstore.bench.fio import PROFILES_DIR  # fio_profiles/ at the repository root
+from kvstore.bench.report import SMOKE_TEST_CAVEAT
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -869,11 +870,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_title(machine: dict[str, Any], size_mib: int, io_depth: int) -> str:
+def make_title(
+    machine: dict[str, Any], size_mib: int, io_depth: int, *, quick: bool = False
+) -> str:
     code = machine.get("code", {})
     engine = machine.get("io_engine")
+    caveat = f" ({SMOKE_TEST_CAVEAT})" if quick else ""
     return (
-        f"kvstore vs fio - {size_mib} MiB, io_depth {io_depth}, "
+        f"kvstore vs fio{caveat} - {size_mib} MiB, io_depth {io_depth}, "
         f"{f'engine: {engine}, ' if engine else ''}"
         f"{machine.get('nproc')} CPUs, {machine.get('mount', {}).get('fs', '?')} on "
         f"{machine.get('block_device', {}).get('name', '?')}, kvstore {code.get('git_head', '?')}"
@@ -888,7 +892,12 @@ def rerender(path: Path) -> int:
     kv = {name: KvResult(**values) for name, values in document["kvstore"].items()}
     recheck = {name: FioResult(**values) for name, values in document["fio_recheck"].items()}
     settings = document["settings"]
-    title = make_title(document["machine"], settings["size_mib"], settings["io_depth"])
+    title = make_title(
+        document["machine"],
+        settings["size_mib"],
+        settings["io_depth"],
+        quick=bool(settings.get("quick")),
+    )
     print_table(build_rows(fio, kv, recheck), title, to_stderr=False)
     return 0
 
@@ -952,7 +961,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.sync()
 
     rows = build_rows(fio_results, kv_results, recheck_results)
-    title = make_title(machine, size_mib, args.io_depth)
+    title = make_title(machine, size_mib, args.io_depth, quick=args.quick)
     others = {
         name: build_rows(fio_results, results, recheck_results)
         for name, results in kv_by_engine.items()
@@ -996,7 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(rows, title, to_stderr=args.json)
     for engine, engine_rows in others.items():
         engine_machine = {**machine, "io_engine": engine_names[engine]}
-        print_table(engine_rows, make_title(engine_machine, size_mib, args.io_depth), args.json)
+        engine_title = make_title(engine_machine, size_mib, args.io_depth, quick=args.quick)
+        print_table(engine_rows, engine_title, args.json)
     if args.json:
         print(text)
     return 0

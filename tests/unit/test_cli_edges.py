@@ -151,3 +151,64 @@ def test_recover_on_a_healthy_store_says_so_and_fsck_lists_what_it_set_aside(
     assert all(f["severity"] == "warning" for f in listed)
     fsck = run("fsck", str(built_store))
     assert "clean" not in fsck.output and "set-aside" in fsck.output
+
+
+def test_demo_recreates_a_store_an_older_demo_made_before_the_marker(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore-demo"
+    assert run("demo", "--path", str(path), "--layers", "1", "--blocks", "2").exit_code == 0
+    (path / DEMO_MARKER_NAME).unlink()  # as `make run` left it before the marker
+    result = run("demo", "--path", str(path), "--layers", "1", "--blocks", "2")
+    assert result.exit_code == 0, result.output
+
+
+# -- small edges (item 10) ----------------------------------------------------------------
+
+
+def test_wear_refuses_a_rating_that_is_not_positive(built_store: Path) -> None:
+    for option, value in (("--rated-dwpd", "-1"), ("--rated-dwpd", "0"), ("--warranty-years", "0")):
+        result = run("wear", str(built_store), option, value)
+        assert result.exit_code == 2, result.output
+        assert option in result.output
+
+
+def test_cli_errors_name_commands_not_python_calls(tmp_path: Path) -> None:
+    for args in (("stat",), ("fsck",), ("recover",), ("wear",)):
+        result = run(*args, str(tmp_path / "none"))
+        assert result.exit_code == 8, result.output
+        assert "create=True" not in result.output
+        assert "kvstore init PATH" in result.output
+
+
+def test_put_names_meta_when_it_is_not_a_json_object(built_store: Path) -> None:
+    for meta, why in (("notjson", "not JSON"), ("5", "not a number"), ("[1]", "not an array")):
+        result = run("put", str(built_store), "k2", "--meta", meta, stdin=b"x")
+        assert result.exit_code == 2, result.output
+        assert "--meta" in result.output and why in result.output
+
+
+def test_human_output_has_no_python_reprs_or_raw_unix_times(built_store: Path) -> None:
+    for command in ("stat", "wear"):
+        result = run(command, str(built_store))
+        assert result.exit_code == 0, result.output
+        for python in ("None", "True", "False", "{'", "': "):
+            assert python not in result.stdout, (command, python)
+    wear = run("wear", str(built_store)).stdout
+    assert "counters_since_unix_s" in wear and " UTC" in wear
+
+
+def test_the_quick_bench_says_its_verdicts_are_a_smoke_test() -> None:
+    from rich.console import Console
+
+    from kvstore.bench.fio_ratios import make_title
+    from kvstore.bench.report import SMOKE_TEST_CAVEAT, render
+
+    target = {"text": "put MB/s", "value": 1.0, "bound": 2.0, "higher_is_better": True}
+    document = {"measurements": [], "targets": [{**target, "status": "not met"}]}
+    console = Console(record=True, width=400)
+    render({**document, "quick": True}, console)
+    assert "smoke test" in console.export_text()
+    console = Console(record=True, width=400)
+    render(document, console)
+    assert "smoke test" not in console.export_text()
+    assert SMOKE_TEST_CAVEAT in make_title({}, 512, 32, quick=True)
+    assert "smoke test" not in make_title({}, 512, 32)
