@@ -19,6 +19,15 @@ store reopened by a fresh ``TierManager`` here.
   1,000 requests after a kill -9 and reopen is at least 90% of the 1,000 before it,
   with a 70% clean reserve in HBM and DRAM (see the test for the default's 15%).
 
+Each runs with ``hbm="owned"`` and ``hbm="engine"`` (kvstore/testing/tier_crash.py,
+``hbm_options``): in engine mode the engine keeps its own GPU cache, which the
+workloads play (``EngineHBM``: the blocks it served, the oldest dropped with
+``notify_hbm_evicted``), and the manager, which cannot read that copy, must keep a
+DRAM or NVMe copy of every page the engine holds. Every workload also checks the
+manager's books (used bytes within capacity, page counts and used bytes that are its
+pages', no page in the engine's HBM alone) and reports what fails as ``bad`` lines:
+there must be none, nor in the reopened manager.
+
 KVSTORE_CRASH_SEED varies the kill moments.
 """
 
@@ -46,6 +55,9 @@ WRITEBACK_CYCLES = 4
 STATS_CYCLES = 6
 
 
+HBM_MODES = pytest.mark.parametrize("hbm", tier_crash.HBM_MODES)
+
+
 @pytest.fixture(scope="module")
 def zygote() -> Iterator[Any]:
     process = tier_crash.Zygote()
@@ -59,11 +71,19 @@ def assert_sigkilled(work: Any) -> None:
     assert os.WTERMSIG(work.status) == signal.SIGKILL
 
 
+def bad_lines(work: Any) -> list[str]:
+    """What the workload found wrong in the manager's books (see the module doc)."""
+    return [line for line in work.lines() if line.startswith("bad ")]
+
+
 # -- write-back -------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(120)
-def test_kill9_during_writeback_keeps_every_acknowledged_page(tmp_path: Path, zygote: Any) -> None:
+@HBM_MODES
+def test_kill9_during_writeback_keeps_every_acknowledged_page(
+    tmp_path: Path, zygote: Any, hbm: str
+) -> None:
     rng = random.Random(SEED)
     path = tmp_path / "nvme"
     acked: set[bytes] = set()
@@ -71,12 +91,16 @@ def test_kill9_during_writeback_keeps_every_acknowledged_page(tmp_path: Path, zy
     for cycle in range(WRITEBACK_CYCLES):
         report = tmp_path / f"writeback-{cycle}.log"
         with zygote.workload(
-            report, mode="writeback", dir=str(path), seed=SEED, cycle=cycle
+            report, mode="writeback", dir=str(path), seed=SEED, cycle=cycle, hbm=hbm
         ) as work:
             work.wait_for("ready", 60)
             time.sleep(rng.uniform(0.2, 0.8))
             killed_at = time.monotonic()
         assert_sigkilled(work)
+        assert not bad_lines(work), (cycle, bad_lines(work)[:3])
+        if hbm == "engine":  # the engine's cache did drop pages, and said so
+            engine = [line.split() for line in work.lines() if line.startswith("engine ")]
+            assert engine and int(engine[-1][1]) > 0, (cycle, engine[-1:])
         acks = [line.split()[1:] for line in work.lines() if line.startswith("ack ")]
         new = {key.encode() for ack in acks for key in ack[1:]}
         assert new, f"cycle {cycle}: nothing was acknowledged"
@@ -84,7 +108,7 @@ def test_kill9_during_writeback_keeps_every_acknowledged_page(tmp_path: Path, zy
         assert killed_at - float(acks[-1][0]) < 0.5, (cycle, killed_at, acks[-1][0])
         acked |= new
         # Earlier cycles' pages must survive this cycle's kill and reopen too.
-        check = tier_crash.check_writeback(path, acked)
+        check = tier_crash.check_writeback(path, acked, hbm=hbm)
         assert check.violations == 0, (cycle, check)
         assert check.loaded == len(acked), (cycle, check)
         unacked_on_nvme += check.stored - len(acked)
@@ -101,8 +125,9 @@ def stamp_of(file: Path) -> str | None:
 
 
 @pytest.mark.timeout(120)
+@HBM_MODES
 def test_kill9_during_stats_save_leaves_the_old_or_the_new_file(
-    tmp_path: Path, zygote: Any
+    tmp_path: Path, zygote: Any, hbm: str
 ) -> None:
     rng = random.Random(SEED + 1)
     path = tmp_path / "nvme"
@@ -111,10 +136,13 @@ def test_kill9_during_stats_save_leaves_the_old_or_the_new_file(
     mid_save = torn_tmp = 0  # kills with a save begun and not finished; with its tmp file
     for cycle in range(STATS_CYCLES):
         report = tmp_path / f"stats-{cycle}.log"
-        with zygote.workload(report, mode="stats", dir=str(path), seed=SEED, cycle=cycle) as work:
+        with zygote.workload(
+            report, mode="stats", dir=str(path), seed=SEED, cycle=cycle, hbm=hbm
+        ) as work:
             work.wait_for("ready", 60)
             time.sleep(rng.uniform(0.05, 0.4))
         assert_sigkilled(work)
+        assert not bad_lines(work), (cycle, bad_lines(work)[:3])
         old = on_disk
         begun_since: set[str] = set()  # saves begun after the last one that finished
         for line in work.lines():
@@ -131,15 +159,19 @@ def test_kill9_during_stats_save_leaves_the_old_or_the_new_file(
         else:
             read_stats_file(path)
             assert stamp_of(file) in {old} | begun_since, (cycle, old, begun_since)
-            with TierManager.open(tier_crash.tier_config(path, tier_crash.STATS_PAGE)) as tm:
+            options = tier_crash.hbm_options(hbm, tier_crash.STATS_PAGE)
+            with TierManager.open(
+                tier_crash.tier_config(path, tier_crash.STATS_PAGE, **options)
+            ) as tm:
                 assert tm._counters.get("restart:stats_loaded") == 1, tm._counters
         on_disk = stamp_of(file)  # closing the checker saved its own statistics
     print(f"{mid_save} of {STATS_CYCLES} kills during a save, {torn_tmp} left the temporary file")
     assert mid_save > 0, "no kill landed while a save was in flight"
 
 
-def stats_config(path: Path, **overrides: Any) -> Any:
-    return tier_crash.tier_config(path, tier_crash.STATS_PAGE, control_interval_s=0.0, **overrides)
+def stats_config(path: Path, hbm: str = "owned", **overrides: Any) -> Any:
+    options = {**tier_crash.hbm_options(hbm, tier_crash.STATS_PAGE), **overrides}
+    return tier_crash.tier_config(path, tier_crash.STATS_PAGE, control_interval_s=0.0, **options)
 
 
 def observable(tm: TierManager) -> tuple[Any, ...]:
@@ -149,9 +181,9 @@ def observable(tm: TierManager) -> tuple[Any, ...]:
     return (stats.tau, dict(stats.bandwidth_bytes_per_s), stats.compute_flops, reuse)
 
 
-def good_stats_file(path: Path) -> dict[str, Any]:
+def good_stats_file(path: Path, hbm: str) -> dict[str, Any]:
     """A manager's statistics, every field moved off its default."""
-    with TierManager.open(stats_config(path)) as tm:
+    with TierManager.open(stats_config(path, hbm)) as tm:
         keys = [b"k%d" % i for i in range(40)]
         tm.offer(keys, [tier_crash.page_tensor(k, tier_crash.STATS_PAGE) for k in keys])
         assert tm.drain()
@@ -185,21 +217,22 @@ def damaged_variants(good: dict[str, Any]) -> dict[str, bytes]:
     }
 
 
-def test_a_damaged_stats_file_is_treated_as_absent(tmp_path: Path) -> None:
-    good = good_stats_file(tmp_path / "good")
-    with TierManager.open(stats_config(tmp_path / "fresh")) as tm:
+@HBM_MODES
+def test_a_damaged_stats_file_is_treated_as_absent(tmp_path: Path, hbm: str) -> None:
+    good = good_stats_file(tmp_path / "good", hbm)
+    with TierManager.open(stats_config(tmp_path / "fresh", hbm)) as tm:
         cold = observable(tm)
     (tmp_path / "good" / STATS_FILE).write_text(json.dumps(good))
-    with TierManager.open(stats_config(tmp_path / "good")) as tm:
+    with TierManager.open(stats_config(tmp_path / "good", hbm)) as tm:
         warm = observable(tm)
     assert warm != cold  # the good file does change what the manager shows
     failures = []
     for name, content in damaged_variants(good).items():
         path = tmp_path / name.replace(" ", "-")
-        TierManager.open(stats_config(path)).close()  # a store, with a cold file
+        TierManager.open(stats_config(path, hbm)).close()  # a store, with a cold file
         (path / STATS_FILE).write_bytes(content)
         try:
-            with TierManager.open(stats_config(path)) as tm:
+            with TierManager.open(stats_config(path, hbm)) as tm:
                 seen = observable(tm)
                 counters = dict(tm._counters)
                 keys = [b"a", b"b"]
@@ -224,7 +257,8 @@ def test_a_damaged_stats_file_is_treated_as_absent(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_nvme_hit_rate_after_kill9_restart(tmp_path: Path, zygote: Any) -> None:
+@HBM_MODES
+def test_nvme_hit_rate_after_kill9_restart(tmp_path: Path, zygote: Any, hbm: str) -> None:
     """The 1,000 requests after a kill -9 and reopen hit NVMe at >= 90% of the rate
     of the 1,000 before the kill. HBM and DRAM are lost; the forest comes back from
     NVMe meta, the statistics from the file (saved every 0.5 s), DRAM is warmed.
@@ -236,10 +270,14 @@ def test_nvme_hit_rate_after_kill9_restart(tmp_path: Path, zygote: Any) -> None:
     the write-heavy replay, and the ratio measured 0.92-1.02 (five runs at 62504c8);
     with the fixed 15% reserve before it, 0.81-0.92. KVSTORE_TIER_RESTART_CONFIG
     (JSON TierConfig overrides, e.g. '{"watermark_low": 0.3}') reruns it with other
-    settings."""
+    settings.
+
+    With hbm="engine" the engine's cache is the 64 pages of ``hbm_bytes`` (empty
+    again after the kill, as the engine's GPU cache would be), and the manager serves
+    the hits from DRAM and NVMe only."""
     path = tmp_path / "nvme"
     total, start, measured = 3000, 1000, 1000
-    overrides = json.loads(os.environ.get("KVSTORE_TIER_RESTART_CONFIG", "{}"))
+    overrides = {"hbm": hbm, **json.loads(os.environ.get("KVSTORE_TIER_RESTART_CONFIG", "{}"))}
     with zygote.workload(
         tmp_path / "replay.log",
         mode="replay",
@@ -252,6 +290,7 @@ def test_nvme_hit_rate_after_kill9_restart(tmp_path: Path, zygote: Any) -> None:
     ) as work:
         lines = work.wait_for("done", 150)
     assert_sigkilled(work)
+    assert not bad_lines(work), bad_lines(work)[:3]
     count_line = next(line for line in lines if line.startswith("count "))
     before = tier_crash.HitCount(**json.loads(count_line.split(" ", 1)[1]))
     requests = tier_crash.trace(SEED, total)[start + measured :]
@@ -259,13 +298,19 @@ def test_nvme_hit_rate_after_kill9_restart(tmp_path: Path, zygote: Any) -> None:
         rebuilt = tm.stats().pages_by_tier
         stats_loaded = tm._counters.get("restart:stats_loaded")
         after = tier_crash.HitCount()
-        tier_crash.replay(tm, requests, after)
+        engine = tier_crash.engine_cache(tm)
+        tier_crash.replay(tm, requests, after, engine=engine)
+        bad = tier_crash.accounting_errors(tm) + (engine.errors() if engine else [])
     report = (
-        f"before: {before.nvme_hit_rate:.3f} NVMe ({before.hit_rate:.3f} any tier, served "
-        f"{before.served}); after: {after.nvme_hit_rate:.3f} NVMe ({after.hit_rate:.3f}, "
-        f"served {after.served}); rebuilt {rebuilt}"
+        f"{hbm}: before: {before.nvme_hit_rate:.3f} NVMe ({before.hit_rate:.3f} any tier, "
+        f"served {before.served}); after: {after.nvme_hit_rate:.3f} NVMe "
+        f"({after.hit_rate:.3f}, served {after.served}); rebuilt {rebuilt}"
     )
+    if engine is not None:
+        report += f"; the engine dropped {engine.notified} pages after the reopen"
     print(report)
+    assert not bad, bad
+    assert engine is None or engine.notified > 0, report
     assert before.requests == after.requests == measured
     assert before.nvme_hit_rate > 0.2, report  # NVMe did serve this workload
     assert rebuilt[0] == rebuilt[1] == 0 and rebuilt[2] > 0, report

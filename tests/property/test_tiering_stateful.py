@@ -27,8 +27,30 @@ and leaves the model. Checked after every step:
 Close-and-reopen keeps exactly the pages the store holds (asked with
 ``store.info`` before the close) and nothing else.
 
-Two machines: admission ``all`` and the default ``value_density``. Set
-KVSTORE_TIER_EXAMPLES (default 20) for a longer soak.
+With admission ``all`` nothing may drop a page but NVMe capacity, write pressure
+or a failed copy (NVMe is unbounded here): a model key that stops being resident
+must be matched by one of the manager's drop counters (``LOSSY``), so "admitted
+pages stay resident somewhere" is checked, not assumed.
+
+``hbm="engine"`` (the engine keeps its own GPU cache; the manager's HBM bit is the
+engine's residency and an offer copies the page into DRAM): the machine plays the
+engine's cache, ``engine``, the accepted keys of its offers, least recent first,
+at most ``ENGINE_HBM_PAGES``; it reports what it drops with
+``notify_hbm_evicted``, past its capacity and in a rule of its own. The manager
+cannot read that copy, so "resident" there means a DRAM or NVMe copy, and also:
+
+- the manager's HBM bit is set exactly for the keys the engine holds (and
+  ``notify_hbm_evicted`` of a key it does not hold changes nothing);
+- HBM's used bytes are the engine's pages' bytes, within ``hbm_bytes``;
+- no page is in HBM alone: the manager keeps a copy it can serve of every page the
+  engine holds, so after ``notify_hbm_evicted`` the page is still loadable from
+  DRAM or NVMe (what owned HBM would keep by demoting it);
+- pins and unfinished loads keep the manager's own copies (the engine's bit is the
+  engine's to clear).
+
+Four machines: admission ``all`` and the default ``value_density``, each with
+``hbm="owned"`` and ``hbm="engine"``. Set KVSTORE_TIER_EXAMPLES (default 20) for a
+longer soak.
 """
 
 from __future__ import annotations
@@ -40,19 +62,30 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvstore.testing.tier_crash import ENGINE_DRAM_DROP_DEFECT, ENGINE_DRAM_DROPS, LOSSY
 from kvstore.tiering import LoadHandle, ModelCost, TierConfig, TierManager
 
 PAGE = 16 * 1024
 CHAINS = 3
 CHAIN_PAGES = 6
 SMALL_MODEL = ModelCost(1e9, 8, 8, 64, PAGE // 16)
+HBM_PAGES = 3
+ENGINE_HBM_PAGES = HBM_PAGES  # the engine's own GPU cache, in pages of at most PAGE
+# LOSSY: the manager's counters of drops of a page's last copy that admission ``all``
+# allows (NVMe capacity, write pressure, failed copies; not admission drops, as every
+# tier admits). ENGINE_DRAM_DROP_DEFECT: the known defect of hbm="engine" (the xfail
+# test at the end): a DRAM eviction that drops a page the engine holds (counted in
+# ENGINE_DRAM_DROPS) leaves it in HBM alone, where the manager cannot read it, yet its
+# offers answer "present", and notify_hbm_evicted loses it. While the flag is True the
+# machines accept such pages, at most one per counted drop (an event names them).
 
 
 def chain_key(chain: int, position: int) -> bytes:
@@ -79,9 +112,10 @@ Load = tuple[LoadHandle, list[bytes], list[torch.Tensor], list[bytes]]
 
 
 class TierMachine(RuleBasedStateMachine):
-    """The rules; subclasses choose the admission mode."""
+    """The rules; subclasses choose the admission mode and who owns HBM."""
 
     admission: ClassVar[str] = "all"
+    hbm: ClassVar[str] = "owned"
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,13 +126,20 @@ class TierMachine(RuleBasedStateMachine):
         self.loads: list[Load] = []
         self.sources: list[torch.Tensor] = []  # kept alive until the copies land (R2)
         self.version = 0
+        # hbm="engine": the engine's GPU cache of the keys its offers placed, least
+        # recently offered first (a dict as an ordered set).
+        self.engine: dict[bytes, None] = {}
+        self.losses = 0  # model keys found no longer resident since the open
         self.tm = self.open()
+        self.readable_mask = self.tm._readable_mask  # tiers a load may be served from
+        assert self.readable_mask == (6 if self.hbm == "engine" else 7)
 
     def open(self) -> TierManager:
         return TierManager.open(
             TierConfig(
                 device="cpu",
-                hbm_bytes=3 * PAGE,
+                hbm=self.hbm,
+                hbm_bytes=HBM_PAGES * PAGE,
                 dram_bytes=6 * PAGE,
                 page_bytes=PAGE,
                 tokens_per_page=16,
@@ -119,12 +160,38 @@ class TierMachine(RuleBasedStateMachine):
 
     # -- helpers -------------------------------------------------------------
 
-    def resident(self, key: bytes) -> bool:
-        """Ask the manager, without moving anything: a pin succeeds only if resident."""
+    def known(self, key: bytes) -> bool:
+        """Ask the manager, without moving anything: a pin succeeds only for a page in
+        some tier (the engine's HBM included, with hbm="engine")."""
         if self.tm.pin([key]) == [True]:
             self.tm.unpin([key])
             return True
         return False
+
+    def resident(self, key: bytes) -> bool:
+        """Known, and with a copy the manager can load (what a lookup serves). With
+        hbm="engine" the HBM bit is the engine's copy: a DRAM or NVMe copy is needed."""
+        if not self.known(key):
+            return False
+        return self.hbm != "engine" or bool(self.tier_bits(key) & self.readable_mask)
+
+    def hbm_alone(self) -> set[bytes]:
+        """hbm="engine": pages in the engine's HBM alone, which the manager cannot read."""
+        return {k for k, rec in self.tm._pages.items() if rec.tiers & 7 == 1}
+
+    def accept_hbm_alone(self, keys: set[bytes], where: str) -> None:
+        """Pages in HBM alone are the known defect (``ENGINE_DRAM_DROP_DEFECT``): only
+        while it stands, and no more of them than counted DRAM drops."""
+        if not keys:
+            return
+        counters = self.tm._counters
+        drops = sum(counters.get(name, 0) for name in ENGINE_DRAM_DROPS)
+        assert ENGINE_DRAM_DROP_DEFECT and len(keys) <= drops, (
+            f"{where}: {sorted(keys)} in the engine's HBM alone, which the manager cannot "
+            f"read: lost when the engine drops them ({drops} counted DRAM drops; "
+            f"counters {counters})"
+        )
+        event("known defect: a page in the engine's HBM alone after a DRAM drop")
 
     def quiesce(self) -> None:
         """Let the mover finish what is queued, without harvesting it: the rule that
@@ -144,7 +211,48 @@ class TierMachine(RuleBasedStateMachine):
         for key in list(self.model):
             if not self.resident(key):
                 assert key not in self.pinned, f"{key!r} dropped while pinned"
-                del self.model[key]
+                self.lose(key)
+
+    def lose(self, key: bytes) -> None:
+        """A model key is no longer resident. Under admission ``all`` only a drop the
+        manager counted in ``LOSSY`` may explain it (one counted drop per lost key)."""
+        if self.model.pop(key, None) is None:
+            return
+        self.losses += 1
+        event("a modelled page was dropped")
+        if self.admission == "all":
+            counters = self.tm._counters
+            dropped = sum(counters.get(name, 0) for name in LOSSY)
+            assert self.losses <= dropped, (
+                f"{key!r} lost with nothing counted that drops a page under admission "
+                f"all ({self.losses} lost, {dropped} counted drops; counters {counters})"
+            )
+
+    def engine_holds(self, keys: list[bytes]) -> None:
+        """hbm="engine": the engine's GPU cache now holds ``keys`` (most recent last);
+        past its capacity it drops the least recent and tells the manager."""
+        for key in keys:
+            self.engine.pop(key, None)
+            self.engine[key] = None
+        overflow = list(self.engine)[: max(0, len(self.engine) - ENGINE_HBM_PAGES)]
+        if overflow:
+            self.notify_evicted(overflow)
+
+    def notify_evicted(self, keys: list[bytes]) -> None:
+        """The engine dropped ``keys`` from its GPU cache. The manager keeps serving
+        every page of them it served before, from DRAM or NVMe (owned HBM would have
+        demoted it): the engine's HBM was never the page's only copy."""
+        before = {k: self.tier_bits(k) for k in keys}
+        served = {k for k in keys if self.resident(k)}
+        self.tm.notify_hbm_evicted(keys)
+        for key in keys:
+            self.engine.pop(key, None)
+            now = self.tier_bits(key)
+            assert now == before[key] & ~1, (
+                f"{key!r}: notify_hbm_evicted changed {before[key]:03b} to {now:03b}"
+            )
+        for key in served:
+            assert self.resident(key), f"{key!r} lost with the engine's HBM copy"
 
     # -- rules ---------------------------------------------------------------
 
@@ -176,7 +284,10 @@ class TierMachine(RuleBasedStateMachine):
         parents: list[bytes | None] = [
             chain_key(chain, p - 1) if p else None for p in range(start, end)
         ]
-        before = {p: self.resident(p) for p in parents if p is not None and p not in keys}
+        # The manager's orphan rule asks whether a parent is in any tier (with
+        # hbm="engine", the engine's HBM alone will do).
+        before = {p: self.known(p) for p in parents if p is not None and p not in keys}
+        alone = self.hbm_alone() if self.hbm == "engine" else set()
         self.version += 1
         values = [
             self.model.get(k) or page_bytes(k, self.version, s)
@@ -190,9 +301,12 @@ class TierMachine(RuleBasedStateMachine):
             keys, parents, values, out.tiers, out.reasons, strict=True
         ):
             if reason == "present":
-                assert key in self.model, f"{key!r} present but never admitted"
                 assert tier is not None
                 kept.add(key)
+                if key in alone and key not in self.model:
+                    self.accept_hbm_alone({key}, "offer answered present")
+                    continue
+                assert key in self.model, f"{key!r} present but never admitted"
             elif reason == "admitted":
                 assert tier is not None
                 if parent is not None:
@@ -204,12 +318,17 @@ class TierMachine(RuleBasedStateMachine):
                 event(f"offer declined: {reason}")
                 assert tier is None, (key, reason)
                 assert key not in self.pinned
-                self.model.pop(key, None)
+                self.lose(key)
                 if reason.startswith("orphan"):
                     assert parent is not None
                     assert not before.get(parent, False) and parent not in kept, (
                         f"{key!r} declined as an orphan of resident {parent!r}"
                     )
+        if self.hbm == "engine":
+            for key, tier in zip(keys, out.tiers, strict=True):
+                if tier is not None:
+                    assert tier == 0, f"{key!r} placed in tier {tier}, not the engine's HBM"
+            self.engine_holds([k for k in keys if k in kept])
 
     @rule(chain=st.integers(0, CHAINS - 1), length=st.integers(1, CHAIN_PAGES))
     def lookup_and_load(self, chain: int, length: int) -> None:
@@ -224,7 +343,7 @@ class TierMachine(RuleBasedStateMachine):
             assert key in self.model, f"{key!r} hit but never admitted"
         if hit < length:
             assert not self.resident(keys[hit])
-            self.model.pop(keys[hit], None)
+            self.lose(keys[hit])
         event(f"lookup served from tiers {sorted(set(result.plan.tiers))}")
         plan = result.plan
         # The plan weighs measured bandwidths (tiny, noisy transfers here) against
@@ -264,8 +383,13 @@ class TierMachine(RuleBasedStateMachine):
         if key in self.pinned or len(self.pinned) >= 2:
             return
         if self.tm.pin([key]) == [True]:
+            if not self.resident(key):  # in the engine's HBM alone: nothing to keep
+                self.accept_hbm_alone({key}, "pin")
+                self.tm.unpin([key])
+                return
             assert key in self.model
-            self.pinned[key] = self.tier_bits(key)
+            # The manager's own copies: the engine clears its HBM bit when it likes.
+            self.pinned[key] = self.tier_bits(key) & self.readable_mask
 
     @rule(key=st.sampled_from(ALL_KEYS))
     def unpin(self, key: bytes) -> None:
@@ -276,6 +400,14 @@ class TierMachine(RuleBasedStateMachine):
             return
         self.tm.unpin([key])
         del self.pinned[key]
+
+    @precondition(lambda self: self.hbm == "engine")  # the class's, not the state's
+    @rule(keys=st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=3))
+    def engine_evicts(self, keys: list[bytes]) -> None:
+        """hbm="engine": the engine drops blocks from its GPU cache (held or not: a
+        key it does not hold, or the manager never saw, changes nothing)."""
+        self.quiesce()
+        self.notify_evicted(keys)
 
     @rule(times=st.integers(1, 4))
     def step(self, times: int) -> None:
@@ -314,6 +446,8 @@ class TierMachine(RuleBasedStateMachine):
         self.loads = []
         self.pinned.clear()
         self.sources.clear()
+        self.engine.clear()  # the engine restarts with the manager: its GPU cache is gone
+        self.losses = 0  # the counters start again too
         self.model = {k: v for k, v in self.model.items() if k in on_nvme}
         self.tm = self.open()
         stats = self.tm.stats()
@@ -326,8 +460,28 @@ class TierMachine(RuleBasedStateMachine):
         stats = self.tm.stats()
         for tier in range(3):
             assert stats.used_bytes[tier] <= stats.capacity_bytes[tier], (tier, stats.used_bytes)
-        assert stats.used_bytes[0] == stats.pages_by_tier[0] * PAGE
+        pages = self.tm._pages
+        counts = [sum(1 for rec in pages.values() if rec.tiers & bit) for bit in (1, 2, 4)]
+        assert stats.pages_by_tier == tuple(counts), (stats.pages_by_tier, counts)
+        assert stats.pages == len(pages)
+        if self.hbm == "engine":
+            # The engine's pages, at their own sizes (no slots: the manager owns none).
+            held = [pages[k].nbytes for k in self.engine if k in pages]
+            assert stats.used_bytes[0] == sum(held), (stats.used_bytes, held)
+            assert stats.capacity_bytes[0] == HBM_PAGES * PAGE
+        else:
+            assert stats.used_bytes[0] == stats.pages_by_tier[0] * PAGE
         assert stats.used_bytes[1] == stats.pages_by_tier[1] * PAGE
+
+    @invariant()
+    def engine_hbm_is_the_engines(self) -> None:
+        """hbm="engine": the HBM bit is set for exactly the pages the engine holds, and
+        none of them is in HBM alone (a copy the manager can serve stays)."""
+        if self.hbm != "engine":
+            return
+        in_hbm = {k for k, rec in self.tm._pages.items() if rec.tiers & 1}
+        assert in_hbm == set(self.engine), (sorted(in_hbm), list(self.engine))
+        self.accept_hbm_alone(self.hbm_alone(), "invariant")
 
     @invariant()
     def residents_are_modelled(self) -> None:
@@ -339,7 +493,7 @@ class TierMachine(RuleBasedStateMachine):
     @invariant()
     def pinned_pages_stay(self) -> None:
         for key, bits in self.pinned.items():
-            now = self.tier_bits(key)
+            now = self.tier_bits(key) & self.readable_mask
             assert now & bits == bits, f"pinned {key!r} left a tier: {bits:03b} -> {now:03b}"
         for handle, keys, _, _ in self.loads:
             for i, key in enumerate(keys):
@@ -358,7 +512,115 @@ class ValueDensityMachine(TierMachine):
     admission = "value_density"
 
 
+class EngineMachine(TierMachine):
+    hbm = "engine"
+
+
+class EngineValueDensityMachine(TierMachine):
+    admission = "value_density"
+    hbm = "engine"
+
+
 TestTieringAll = TierMachine.TestCase
 TestTieringAll.settings = SETTINGS
 TestTieringValueDensity = ValueDensityMachine.TestCase
 TestTieringValueDensity.settings = SETTINGS
+TestTieringEngineAll = EngineMachine.TestCase
+TestTieringEngineAll.settings = SETTINGS
+TestTieringEngineValueDensity = EngineValueDensityMachine.TestCase
+TestTieringEngineValueDensity.settings = SETTINGS
+
+
+# -- hbm="engine": the known defect, deterministic ---------------------------------------
+
+
+def engine_config(path: Path, **overrides: Any) -> TierConfig:
+    """hbm="engine" with room in the engine's HBM for 8 pages, DRAM for 4, no control
+    thread: nothing runs between the calls the test makes."""
+    options: dict[str, Any] = dict(
+        device="cpu",
+        hbm="engine",
+        hbm_bytes=8 * PAGE,
+        dram_bytes=4 * PAGE,
+        page_bytes=PAGE,
+        tokens_per_page=16,
+        nvme_path=str(path),
+        nvme_options={"segment_bytes": 1 << 20, "gc_interval_s": 0},
+        model=SMALL_MODEL,
+        compute_flops=1e11,
+        admission="all",
+        hysteresis_s=0.0,
+        probe_at_open=False,
+        control_interval_s=0,
+        warm_dram_on_open=False,
+    )
+    options.update(overrides)
+    return TierConfig(**options)
+
+
+ENGINE_DROP_CASES: dict[str, dict[str, Any]] = {
+    # Admission "all", NVMe unbounded; the disk measured slow (the machines' 1-byte
+    # pages measure nvme_write at some 10 KB/s): the second victim of an urgent DRAM
+    # eviction is dropped ("evict:dram:paced") behind the first one's queued write.
+    "write pacing": {"bandwidth_bytes_per_s": {"nvme_write": 1000.0}},
+    # Recomputing is nearly free, so NVMe declines every page: a DRAM eviction drops
+    # it ("evict:dram:dropped"). Owned HBM would have kept the page (its DRAM copy
+    # goes as clean, and HBM's eviction demotes it to DRAM again).
+    "NVMe declines": {"admission": "value_density", "compute_flops": 1e18},
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvstore/tiering/manager.py, _evict_now/_evict_dram with hbm='engine': a DRAM "
+    "drop (write pacing, NVMe declining) of a page the engine holds leaves it in HBM "
+    "alone; the manager cannot read it, answers 'present' to its offer, and loses it at "
+    "notify_hbm_evicted",
+)
+@pytest.mark.parametrize("case", sorted(ENGINE_DROP_CASES))
+def test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds(
+    tmp_path: Path, case: str
+) -> None:
+    """Five pages offered one at a time into a DRAM of four: the fifth offer evicts
+    from DRAM. Every page the engine holds must keep a DRAM or NVMe copy (or be
+    forgotten, so that its next offer admits it again: never "present" for a page the
+    manager cannot load); after notify_hbm_evicted, every page the manager still
+    knows loads with its bytes, and with admission "all" (NVMe unbounded) it still
+    knows every page it placed."""
+    keys = [b"a", b"b", b"c", b"d", b"e"]
+    pages = [torch.full((PAGE,), i + 1, dtype=torch.uint8) for i in range(len(keys))]
+    failures = []
+    with TierManager.open(engine_config(tmp_path / "nvme", **ENGINE_DROP_CASES[case])) as tm:
+        placed = []
+        for key, src in zip(keys, pages, strict=True):
+            if tm.offer([key], [src], parents=[None]).tiers[0] is not None:
+                placed.append(key)
+            deadline = time.monotonic() + 10
+            while tm._mover.in_flight_bytes() > 0:  # settled at the next call's harvest
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        alone = sorted(k for k, rec in tm._pages.items() if rec.tiers & 7 == 1)
+        if alone:
+            failures.append(f"in the engine's HBM alone: {alone}")
+        for key in alone:
+            reason = tm.offer([key], [pages[keys.index(key)]], parents=[None]).reasons[0]
+            if reason == "present":
+                failures.append(f"{key!r} offered again: 'present', and no copy to load")
+        counters = dict(tm._counters)
+        tm.notify_hbm_evicted(keys)
+        assert tm.drain(10)
+        known = [k for k in placed if k in tm._pages]
+        if case == "write pacing" and known != placed:
+            failures.append(f"placed {placed}, known after notify_hbm_evicted {known}")
+        for key in known:
+            result = tm.lookup([key])
+            if not result.hit_pages:
+                failures.append(f"{key!r} known after notify_hbm_evicted, no hit")
+            # With recomputing nearly free the plan may load nothing; what it loads
+            # has the page's bytes, defect or not.
+            dst = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(result.plan.load_pages)]
+            handle = tm.prepare_load(result.plan, dst)
+            assert handle.wait(10)
+            if tm.complete_load(handle):
+                assert torch.equal(dst[0], pages[keys.index(key)]), f"{key!r}: wrong bytes"
+    assert not failures, f"{case}: " + "; ".join(failures) + f" (counters {counters})"
