@@ -148,6 +148,9 @@ class Bandwidth:
         self._restart()
 
     def _restart(self) -> None:
+        # samples counts toward the least-squares fit's minimum: a fresh fit waits for
+        # _MIN_FIT_SAMPLES again before it separates α from B.
+        self.samples = 0
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._held = self._held_dir = 0
         self._held_samples = []
@@ -163,11 +166,13 @@ class Bandwidth:
             return
         x, y = float(nbytes), float(seconds)
         busy = y - self.latency_s
-        implied = x / (busy if busy > 0 else y)
-        off = implied / self.rate
+        # Off by what the estimate predicts this transfer takes: a time ratio stays
+        # well conditioned where latency dominates (x / (y - α) would not).
+        off = (self.latency_s + x / self.rate) / y
         if off > _OUTLIER or off < 1.0 / _OUTLIER:
             direction = 1 if off > 1.0 else -1
             if direction != self._held_dir:
+                self.outliers += self._held  # held the other way: dropped
                 self._held, self._held_dir, self._held_samples = 0, direction, []
             self._held += 1
             self._held_samples.append((x, y))
@@ -179,7 +184,9 @@ class Bandwidth:
                 hx / (hy - self.latency_s if hy > self.latency_s else hy)
                 for hx, hy in self._held_samples
             )
-            self.rate = held[len(held) // 2]
+            rate = held[len(held) // 2]
+            if math.isfinite(rate) and rate > 0:
+                self.rate = rate
             self._restart()
             return
         if self._held:
@@ -196,14 +203,17 @@ class Bandwidth:
         if self.samples >= _MIN_FIT_SAMPLES and var_x > 0.01 * mean_x * mean_x:
             slope = (self._sxy / self._s - mean_x * (self._sy / self._s)) / var_x
             intercept = self._sy / self._s - slope * mean_x
-            if slope > 0 and intercept >= 0:
+            if slope > 0 and intercept >= 0 and math.isfinite(1.0 / slope):
                 self.rate, self.latency_s = 1.0 / slope, intercept
                 return
-        # Transfers all of one size cannot separate α from B: keep α, fit B.
-        if busy <= 0:
-            busy = y
+        # Transfers all of one size cannot separate α from B: keep α, fit B. A transfer
+        # that was nearly all latency says next to nothing about B: it moves nothing.
+        if busy <= 0.1 * y:
+            return
         weight = 0.2 if self.samples > 1 else 1.0
-        self.rate = (1 - weight) * self.rate + weight * (x / busy)
+        rate = (1 - weight) * self.rate + weight * (x / busy)
+        if math.isfinite(rate) and rate > 0:
+            self.rate = rate
 
     def to_json(self) -> dict[str, float]:
         return {"bytes_per_s": self.rate, "latency_s": self.latency_s, "samples": self.samples}

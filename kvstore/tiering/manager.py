@@ -315,6 +315,9 @@ class TierManager:
         self._gated = [False, False, False]  # per tier: κ < 1 (warned once per episode)
         self._stats_error: str | None = None
         self._last_error: str | None = None
+        # Saves run outside the state lock (step and close): one at a time, or two
+        # writers would share the temporary file.
+        self._stats_write_lock = threading.Lock()
         try:
             if self._store is not None:
                 self._rebuild_from_nvme()
@@ -486,11 +489,13 @@ class TierManager:
         reads never evict the prefix's DRAM pages (which answered PENDING for ever,
         each lookup's reads evicting what the last one staged). A page that finds no
         slot stays on NVMe and does not make the plan PENDING: ``prepare_load`` streams
-        it through the slots its own copies free as they land."""
+        it through slots as they come free (its own copies landing, write-backs
+        finishing); one that finds none within ``_DEMAND_WAIT_S`` is reported missing."""
+        fast = self._readable_mask & 3  # copies the manager can read without NVMe
         for rec in hit_recs:
             rec.pins += 1
         try:
-            nvme_only = [r for r in hit_recs[:load] if r.state is _READY and not r.tiers & 3]
+            nvme_only = [r for r in hit_recs[:load] if r.state is _READY and not r.tiers & fast]
             if nvme_only:
                 self._fetch(nvme_only, _DEMAND)
         finally:
@@ -632,6 +637,8 @@ class TierManager:
             if not self._fake:
                 raise ValueError("srcs is required (only the fake mover takes sizes alone)")
             nbytes = list(sizes) if sizes is not None else [self.config.page_bytes] * count
+            if len(nbytes) != count:
+                raise ValueError(f"{count} keys but {len(nbytes)} sizes")
         else:
             if len(srcs) != count:
                 raise ValueError(f"{count} keys but {len(srcs)} sources")
@@ -772,9 +779,9 @@ class TierManager:
             wanted = []
             for raw in keys:
                 rec = self._pages.get(page_key(raw))
-                if rec is None or not rec.tiers:
+                if rec is None or not rec.tiers & self._readable_mask:
                     break
-                if rec.top_tier() == NVME and rec.state is _READY:
+                if _TOP_TIER[rec.tiers & self._readable_mask] == NVME and rec.state is _READY:
                     wanted.append(rec)
             return self._fetch(wanted, _PREFETCH)
 
@@ -1959,19 +1966,28 @@ class TierManager:
                 if moved:
                     self._vd_cache = None
                 self._observe_latency(ticket.path, seconds)
-            if isinstance(tag, OfferCopy):
-                self._offer_done(ticket, tag.recs, tag.tier)
-            elif isinstance(tag, Demotion):
-                self._demote_done(ticket, tag.recs, tag.keep)
-            elif isinstance(tag, WriteBack):
-                self._write_done(ticket, tag.recs, tag.demote)
-            elif isinstance(tag, Read):
-                self._read_done(ticket, tag.recs)
-            elif isinstance(tag, Load):
-                self._load_done(ticket, tag.handle, tag.items)
-            elif isinstance(tag, Probe):
-                self._probe_done(ticket, tag.path, tag.rate_before)
+            try:
+                self._complete(ticket, tag)
+            except Exception as e:  # the other tickets of this poll must still land
+                self._bump("completion:errors")
+                self._last_error = f"completion of {type(tag).__name__}: {e!r}"
+                if isinstance(tag, Probe):
+                    self._probes_in_flight.discard(tag.path)
         return len(tickets)
+
+    def _complete(self, ticket: Ticket, tag: object) -> None:
+        if isinstance(tag, OfferCopy):
+            self._offer_done(ticket, tag.recs, tag.tier)
+        elif isinstance(tag, Demotion):
+            self._demote_done(ticket, tag.recs, tag.keep)
+        elif isinstance(tag, WriteBack):
+            self._write_done(ticket, tag.recs, tag.demote)
+        elif isinstance(tag, Read):
+            self._read_done(ticket, tag.recs)
+        elif isinstance(tag, Load):
+            self._load_done(ticket, tag.handle, tag.items)
+        elif isinstance(tag, Probe):
+            self._probe_done(ticket, tag.path, tag.rate_before)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
         key = _LATENCY_KEYS.get(path)
@@ -2240,7 +2256,8 @@ class TierManager:
         if path is None:
             return
         try:
-            write_stats_file(path, data)
+            with self._stats_write_lock:
+                write_stats_file(path, data)
         except (OSError, IOFailure) as e:
             self._bump("stats:save_failures")
             self._stats_error = f"{path}: {e}"
@@ -2539,7 +2556,7 @@ def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None
         for s, d in pairs:
             d.copy_(s, non_blocking=cuda)
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dst.device)
         seconds = time.perf_counter() - start
         if round_ and seconds > 0:
             rates.append(page * len(pairs) / seconds)

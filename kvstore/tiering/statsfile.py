@@ -395,15 +395,17 @@ def snapshot(
 
 
 def write_stats_file(path: Path, data: Mapping[str, Any]) -> None:
-    """Atomically: a temporary file, fsync, rename, fsync the directory. Raises
-    ``OSError`` or ``IOFailure``; the old file stays whole on any failure."""
+    """Atomically: a temporary file (mode 0644), fsync, rename, fsync the directory.
+    Raises ``OSError`` or ``IOFailure``; the old file stays whole on any failure. One
+    writer at a time per file (the temporary name is fixed)."""
     tmp = path.with_name(path.name + ".tmp")
     body = json.dumps(data, separators=(",", ":")).encode()
     # The temporary name is ours: whatever is there (a stale file, a FIFO that would
     # block the open for ever, a link) is removed, then created anew.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
     try:
         view = memoryview(body)
         while view:

@@ -160,3 +160,30 @@ def test_the_issues_scenario_keeps_what_it_was_offered(tmp_path: Path) -> None:
     outcome = run_case(Case(page_bytes=256 << 10), str(tmp_path))
     assert outcome.resident_share >= RESIDENT_FLOOR, outcome
     assert all(outcome.in_use)
+
+
+def test_small_latency_bound_samples_do_not_blow_the_rate_up() -> None:
+    # 4 KiB transfers just above the latency: x / (t - α) would say 4e14 B/s.
+    fit = Bandwidth(5e9, 1e-4)
+    for _ in range(3):
+        fit.observe(4096, 1e-4 + 1e-11)
+    assert fit.rate <= 1e10
+
+
+def test_a_confirmed_shift_restarts_the_fit_from_scratch() -> None:
+    fit = Bandwidth(5e9, 0.0)
+    for i in range(10):  # a settled least-squares fit
+        fit.observe(PAGE * (1 + i % 3), PAGE * (1 + i % 3) / 5e9)
+    for _ in range(3):
+        fit.observe(PAGE, PAGE / 1e8)  # the path is 50x slower now
+    assert fit.samples == 0  # the next samples refit from the new speed
+    fit.observe(2 * PAGE, 2 * PAGE / 1e8 * 1.003)
+    fit.observe(PAGE, PAGE / 1e8 * 0.997)
+    assert fit.rate == pytest.approx(1e8, rel=0.05)
+
+
+def test_outliers_that_alternate_are_counted_as_dropped() -> None:
+    fit = Bandwidth(1e9, 0.0)
+    for i in range(20):
+        fit.observe(PAGE, PAGE / (1e11 if i % 2 else 1e7))
+    assert fit.rate == 1e9 and fit.outliers >= 18

@@ -541,3 +541,44 @@ def test_virtual_slots_of_a_huge_tier_cost_nothing_until_used() -> None:
     assert few.free_slots() == 0
     few.free(0)
     assert few.alloc() == 0 and few.alloc() is None
+
+
+def test_engine_mode_stages_and_prefetches_pages_the_engine_and_nvme_hold(
+    tmp_path: Path,
+) -> None:
+    # The engine's HBM bit is no copy the manager can read: a page held by the engine
+    # and NVMe only is read from NVMe for a load (PENDING), and a prefetch reads it.
+    cfg = config(
+        tmp_path,
+        hbm="engine",
+        hbm_bytes=1 << 30,
+        placement="write_through",
+        dram_bytes=4 * PAGE,
+        control_interval_s=0,
+    )
+    with TierManager.open(cfg) as tm:
+        ks = [f"w{i}".encode() for i in range(8)]
+        for first in (0, 4):
+            half = ks[first : first + 4]
+            parents = [ks[first - 1] if first else None, *half[:-1]]
+            assert tm.offer(half, [page(i) for i in range(4)], parents=parents).admitted == 4
+            for _ in range(5):
+                tm.drain()
+                tm.step()
+        engine_and_nvme = [
+            k for k in ks[:4] if tm.store.info(k) is not None and tm.lookup([k]).pages_by_tier[2]
+        ]
+        assert engine_and_nvme, "the first pages were not left on the engine and NVMe only"
+        result = tm.lookup(ks)
+        assert result.hit_pages == 8 and result.pages_by_tier[0] == 0, result
+        assert result.state is LookupState.PENDING, result  # their NVMe reads started
+        tm.drain()
+        assert tm.prefetch(ks) >= 0
+
+
+def test_offer_with_sizes_that_do_not_match_the_keys_changes_nothing() -> None:
+    cfg = TierConfig(mover="fake", control_interval_s=0, probe_at_open=False)
+    with TierManager.open(cfg) as tm:
+        with pytest.raises(ValueError, match="sizes"):
+            tm.offer([b"a", b"b", b"c"], None, sizes=[cfg.page_bytes])
+        assert tm.stats().pages == 0 and tm.stats().used_bytes == (0, 0, 0)
