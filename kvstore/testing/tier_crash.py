@@ -97,13 +97,12 @@ LOSSY = (
     "load_failures",
     "load:no_slot",
 )
-# A known defect of hbm="engine" (tests/property/test_tiering_stateful.py, the xfail
-# test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds): a DRAM
-# eviction that drops a page (write pacing, an emergency, NVMe declining it) while the
-# engine holds it leaves it in HBM alone, where the manager cannot read it, and its
-# offers answer "present". While this is True such pages are accepted, at most one per
-# drop these counters count; set it False once that test passes.
-ENGINE_DRAM_DROP_DEFECT = True
+# hbm="engine" once dropped a page from DRAM (write pacing, NVMe declining it) while
+# the engine held it, leaving it in HBM alone, unreadable, its offers answering
+# "present" (test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds).
+# Fixed: a paced page the engine holds waits, a dropped one is forgotten. With this
+# False no page may be in HBM alone.
+ENGINE_DRAM_DROP_DEFECT = False
 ENGINE_DRAM_DROPS = ("evict:dram:paced", "evict:dram:emergency", "evict:dram:dropped")
 
 

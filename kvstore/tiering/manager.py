@@ -1358,6 +1358,10 @@ class TierManager:
         return self._slot_bytes
 
     def _forget_if_gone(self, rec: PageRec) -> None:
+        if rec.tiers == 1 and not self._owned_hbm:
+            # hbm="engine": the engine's GPU copy alone is no copy the manager can
+            # serve; forgotten, its next offer is admitted again (not "present").
+            self._clear_tier(rec, HBM)
         gone = rec.tiers == 0 and rec.pins == 0 and not rec.waiters
         if gone and self._pages.get(rec.key) is rec:
             del self._pages[rec.key]
@@ -1593,8 +1597,11 @@ class TierManager:
             self._forget_if_gone(rec)
             return True
         if self._write_paced():
-            if rec.retained or not urgent:
-                return False  # the disk has a second of writes queued: wait a cycle
+            if rec.retained or not urgent or rec.tiers & 1:
+                # The disk has a second of writes queued: wait a cycle. (A page the
+                # engine's GPU also holds waits too: dropped here, it would be lost
+                # with the engine's copy, its DRAM copy being the manager's only one.)
+                return False
             # Writes already queue a second deep: dropping the least valuable page
             # beats stalling DRAM (a stall declines new pages, and orphans their chains).
             self._clear_tier(rec, DRAM)

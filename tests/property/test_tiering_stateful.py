@@ -570,13 +570,6 @@ ENGINE_DROP_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvstore/tiering/manager.py, _evict_now/_evict_dram with hbm='engine': a DRAM "
-    "drop (write pacing, NVMe declining) of a page the engine holds leaves it in HBM "
-    "alone; the manager cannot read it, answers 'present' to its offer, and loses it at "
-    "notify_hbm_evicted",
-)
 @pytest.mark.parametrize("case", sorted(ENGINE_DROP_CASES))
 def test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds(
     tmp_path: Path, case: str
