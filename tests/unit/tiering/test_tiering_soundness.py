@@ -31,32 +31,13 @@ from kvstore.tiering import (
 )
 from kvstore.tiering.cost import Bandwidth
 from kvstore.tiering.manager import STATS_FILE, _VirtualSlots
-
-PAGE = 64 * 1024
-SLOT = PAGE
-SMALL_MODEL = ModelCost(1e9, 8, 8, 64, PAGE // 16)
+from tests.unit.tiering.test_tiering_manager import PAGE, SLOT
+from tests.unit.tiering.test_tiering_manager import config as manager_config
 
 
 def config(tmp_path: Path | None, **overrides: Any) -> TierConfig:
-    base: dict[str, Any] = dict(
-        device="cpu",
-        hbm="owned",
-        hbm_bytes=4 * SLOT,
-        dram_bytes=8 * SLOT,
-        page_bytes=PAGE,
-        tokens_per_page=16,
-        nvme_path=str(tmp_path / "nvme") if tmp_path is not None else None,
-        nvme_options={"segment_bytes": 4 << 20, "gc_interval_s": 0},
-        model=SMALL_MODEL,
-        # A fast disk: loading beats recomputing from every tier.
-        compute_flops=1e11,
-        admission="all",
-        hysteresis_s=0.0,
-        probe_at_open=False,
-        control_interval_s=0,
-    )
-    base.update(overrides)
-    return TierConfig(**base)
+    """The manager tests' configuration, the caller driving ``step()``."""
+    return manager_config(tmp_path, **{"control_interval_s": 0, **overrides})
 
 
 def page(i: int, size: int = PAGE) -> torch.Tensor:
