@@ -30,7 +30,7 @@ from kvstore.telemetry.counters import (
     HourBucket,
 )
 
-__all__ = ["percentile_from_buckets", "render_html"]
+__all__ = ["build_figures", "percentile_from_buckets", "render_html"]
 
 _DAY_S = 86_400
 _COLOURS = {
@@ -81,18 +81,22 @@ def _hours(snapshot: TelemetrySnapshot, days: int) -> list[HourBucket]:
     return [bucket for bucket in snapshot.buckets if bucket.hour > first]
 
 
-def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, list[bytes]]:
-    """The page, and the PNGs it embeds (for callers that want to look at them)."""
+def _pyplot() -> Any:
     # matplotlib's stubs reject datetime axes that it handles fine: treat it as untyped.
     matplotlib: Any = importlib.import_module("matplotlib")
     matplotlib.use("Agg")
-    mdates: Any = importlib.import_module("matplotlib.dates")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
+    return importlib.import_module("matplotlib.pyplot")
 
+
+def build_figures(snapshot: TelemetrySnapshot, *, days: int = 30) -> list[tuple[Any, str]]:
+    """The report's matplotlib figures, each with its caption, in page order.
+
+    The caller owns the figures: ``matplotlib.pyplot.close`` each when done."""
+    plt = _pyplot()
+    mdates: Any = importlib.import_module("matplotlib.dates")
     wear = snapshot.wear_report()
     hours = _hours(snapshot, days)
-    images: list[str] = []
-    captions: list[str] = []
+    built: list[tuple[Any, str]] = []
 
     # 1. daily writes vs budget
     by_day: dict[int, list[int]] = {}
@@ -120,12 +124,13 @@ def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, li
     axis.set_title("Daily writes to the drive, by kind, against the DWPD limit")
     axis.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d"))
     axis.legend(loc="upper left", fontsize=7, ncols=2, framealpha=0.9)
-    images.append(_png(figure))
-    captions.append(
-        "Bars: bytes the store wrote each day, stacked by kind. Red dashed line: the "
-        "daily limit (DWPD x capacity); orange dotted: the 80% alert threshold."
+    built.append(
+        (
+            figure,
+            "Bars: bytes the store wrote each day, stacked by kind. Red dashed line: the "
+            "daily limit (DWPD x capacity); orange dotted: the 80% alert threshold.",
+        )
     )
-    plt.close(figure)
 
     times = [_when(bucket.hour) for bucket in hours]
 
@@ -140,9 +145,7 @@ def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, li
     axis.set_ylabel("store bytes / host byte")
     axis.set_title(f"Write amplification per hour (lifetime {wear.write_amplification:.3f})")
     _dates(mdates, axis)
-    images.append(_png(figure))
-    captions.append("Hours with no host writes are gaps.")
-    plt.close(figure)
+    built.append((figure, "Hours with no host writes are gaps."))
 
     # 3. throughput per hour
     figure, axis = plt.subplots(figsize=(10, 3))
@@ -153,9 +156,7 @@ def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, li
     axis.set_title("Throughput")
     axis.legend(fontsize=8)
     _dates(mdates, axis)
-    images.append(_png(figure))
-    captions.append("Averages over each clock hour; the last point is the hour in progress.")
-    plt.close(figure)
+    built.append((figure, "Averages over each clock hour; the last point is the hour in progress."))
 
     # 4. latency per hour
     figure, axes = plt.subplots(2, 2, figsize=(11, 6))
@@ -176,10 +177,23 @@ def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, li
         _dates(mdates, axis)
         axis.legend(fontsize=7)
     figure.tight_layout()
-    images.append(_png(figure))
-    captions.append("p99 is the upper bound of the histogram bucket holding the 99th percentile.")
-    plt.close(figure)
+    built.append(
+        (figure, "p99 is the upper bound of the histogram bucket holding the 99th percentile.")
+    )
 
+    return built
+
+
+def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, list[bytes]]:
+    """The page, and the PNGs it embeds (for callers that want to look at them)."""
+    plt = _pyplot()
+    images: list[str] = []
+    captions: list[str] = []
+    for figure, caption in build_figures(snapshot, days=days):
+        images.append(_png(figure))
+        captions.append(caption)
+        plt.close(figure)
+    wear = snapshot.wear_report()
     rows = [
         ("host bytes (lifetime)", f"{wear.host_bytes:,}"),
         ("store bytes (lifetime)", f"{wear.store_bytes:,}"),
