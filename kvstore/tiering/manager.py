@@ -85,6 +85,11 @@ _BATCH = 64  # pages per eviction batch at most
 _RESERVE_STEP = 0.1
 _RESERVE_MAX = 0.5
 _RESERVE_DECAY_S = 1200.0
+# The clean reserve covers twice the largest offer seen (each page of a burst may
+# need a DRAM slot for itself and one for the HBM page it displaces), up to this
+# share of DRAM: a DRAM of a few bursts is otherwise full of dirty pages when the
+# next burst comes, and declines it.
+_RESERVE_BURST_MAX = 0.75
 _WARM_BATCH = 16
 _WARMUP_SAMPLES = 2  # a real mover's first samples per path, discarded
 # Exploration: a gated path is probed after this long without a sample, the wait
@@ -257,6 +262,7 @@ class TierManager:
         # The share of DRAM kept clean: 1 - watermark_low, more while allocations find
         # no clean page (write-heavy traffic), decaying back when they stop.
         self._dram_reserve = 1.0 - config.watermark_low
+        self._burst_pages = 0  # the most pages one offer brought (the reserve's floor)
         self._reserve_at = 0.0
         # DRAM pages that also have their NVMe copy (free at once), ranked like DRAM's
         # order: an allocation under pressure takes the lowest (leaving DRAM makes no
@@ -655,6 +661,8 @@ class TierManager:
         with self._lock:
             self._check_open()
             self._harvest()
+            if count > self._burst_pages:
+                self._burst_pages = count
             now = self._now()
             pages = self._pages
             placed: set[bytes] = set()
@@ -908,6 +916,9 @@ class TierManager:
             if self._dram_reserve > base:
                 decay = math.exp(-max(now - self._reserve_at, 0.0) / _RESERVE_DECAY_S)
                 self._dram_reserve = base + (self._dram_reserve - base) * decay
+            if self._burst_pages and self._capacity[DRAM]:
+                burst = 2 * self._burst_pages * self._slot_bytes / self._capacity[DRAM]
+                self._dram_reserve = max(self._dram_reserve, min(burst, _RESERVE_BURST_MAX))
             self._reserve_at = now
             if usage[DRAM] >= 1.0 - self._dram_reserve:
                 self._preclean()

@@ -6,6 +6,8 @@ Regression tests for the placement decisions the trace simulator measured
 
 from __future__ import annotations
 
+import pytest
+
 from kvstore.tiering.config import ModelCost, TierConfig
 from kvstore.tiering.manager import TierManager
 from kvstore.tiering.pages import DRAM, HBM, NVME
@@ -130,7 +132,24 @@ def test_the_dram_clean_reserve_grows_when_allocations_find_none_and_decays_back
         assert grown <= 0.5  # the ceiling
         for _ in range(10):
             _tick(tm, 1200.0)
-        assert abs(tm._dram_reserve - base) < 0.01, tm._dram_reserve
+        # Back to the base, or to the floor of twice the largest offer (1 page of 8).
+        floor = max(base, 2 * 1 / 8)
+        assert abs(tm._dram_reserve - floor) < 0.01, tm._dram_reserve
+    finally:
+        tm.close()
+
+
+def test_the_clean_reserve_covers_twice_the_largest_offer() -> None:
+    # An offer of 3 pages into a DRAM of 16 may need 6 clean slots at once (each new
+    # page and the HBM page it displaces): the reserve keeps 6/16 clean.
+    tm = _manager(hbm_bytes=2 * PAGE, dram_bytes=16 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        tm.offer([b"x0", b"x1", b"x2"], None)
+        _tick(tm, 1.0)
+        assert tm._dram_reserve == pytest.approx(6 / 16), tm._dram_reserve
+        tm.offer([b"y%d" % i for i in range(12)], None)
+        _tick(tm, 1.0)
+        assert tm._dram_reserve == pytest.approx(0.75)  # the ceiling of the floor
     finally:
         tm.close()
 
