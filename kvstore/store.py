@@ -261,6 +261,9 @@ class KVStore:
             state.spare = None
             _quietly(spare.close)
             _quietly(lambda: spare.path.unlink(missing_ok=True))
+        recorder = getattr(self, "_recorder", None)
+        if recorder is not None:  # its gauge callback refers back to this store
+            recorder.gauges_locked = None
         collector: Collector | None = getattr(self, "_collector", None)
         if collector is not None:
             collector.close()
