@@ -98,6 +98,7 @@ _PROBE_FIRST_S = 0.1
 _PROBE_MAX_S = 5.0
 _CALIBRATE_BYTES = 32 << 20  # per copy path at open: past a CPU's cache, past timer ticks
 _CALIBRATE_ROUNDS = 3
+_PROBE_REGION_BYTES = 16 << 20  # a copy probe's buffers (per path, while a tier is gated)
 _PROBE_KEY = b"\x00kvstore-tier-probe"  # the NVMe probe page (no kvt meta: not a page)
 # Persisted bandwidth more than this factor off a fresh calibration is not trusted.
 _TRUST_FACTOR = 4.0
@@ -317,6 +318,7 @@ class TierManager:
         self._probe_due_s: dict[str, float] = {}
         self._probe_scratch: dict[str, tuple[Any, Any]] = {}
         self._probes_in_flight: set[str] = set()
+        self._probe_cursor: dict[str, int] = {}
         self._probe_written = False
         self._gated = [False, False, False]  # per tier: κ < 1 (warned once per episode)
         self._stats_error: str | None = None
@@ -2433,6 +2435,8 @@ class TierManager:
                     _log.info("kvstore tier manager: %s is in use again (kappa %.3g)", name, kappa)
         if changed:
             self._admit_epoch += 1  # cached NVMe admissions were decided under the old κ
+        if self._probe_scratch and not any(self._gated) and not self._probes_in_flight:
+            self._probe_scratch.clear()  # probe buffers live only while a tier is gated
 
     def _bump_once(self, name: str) -> bool:
         if self._counters.get(name):
@@ -2475,11 +2479,13 @@ class TierManager:
             if self._store is None:
                 return False
             page = self.config.page_bytes
-            keys = [
-                r.key
-                for r in self._orders[NVME].unordered()[: 4 * _READ_CHUNK_PAGES]
-                if r.state is _READY and r.nbytes == page
-            ][:_READ_CHUNK_PAGES]
+            # A few leaves from the order's head (a bounded scan; nothing is removed).
+            picked = self._orders[NVME].victims(
+                _READ_CHUNK_PAGES,
+                lambda r: r.state is _READY and r.nbytes == page,
+                4 * _READ_CHUNK_PAGES,
+            )
+            keys = [r.key for r in picked]
             scratch = self._scratch("nvme", size * _READ_CHUNK_PAGES)[0]
             if not keys:
                 if not self._probe_written:
@@ -2500,13 +2506,20 @@ class TierManager:
                 tag=Probe(name, self._bandwidth[name].rate),
             )
         else:
-            src, dst = self._scratch(name, size)
-            reps = max(1, (1 << 20) // size)  # at least 1 MiB a probe
+            # Page-sized copies, at least 1 MiB a probe, walking through a region
+            # larger than a CPU's cache (as the arena's copies do): one buffer copied
+            # again and again would time the cache.
+            slots = max(_PROBE_REGION_BYTES // size, 1)
+            src, dst = self._scratch(name, slots * size)
+            reps = min(max(1, (1 << 20) // size), slots)
+            first = self._probe_cursor.get(name, 0)
+            pairs = []
+            for i in range(reps):
+                at = (first + i) % slots * size
+                pairs.append((src[at : at + size], dst[at : at + size]))
+            self._probe_cursor[name] = (first + reps) % slots
             self._mover.copy(
-                Path(name),
-                [(src, dst)] * reps,
-                priority=_BACKGROUND,
-                tag=Probe(name, self._bandwidth[name].rate),
+                Path(name), pairs, priority=_BACKGROUND, tag=Probe(name, self._bandwidth[name].rate)
             )
         self._probes_in_flight.add(name)
         return True
