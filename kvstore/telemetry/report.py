@@ -415,6 +415,10 @@ def render_html(snapshot: TelemetrySnapshot, *, days: int = 30) -> tuple[str, li
     )
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.now_s))
     since = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(snapshot.created_s))
+    days = max(days, 1)
+    plural = "" if days == 1 else "s"
+    first_hour, _ = _window(snapshot, days)
+    window = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(first_hour * SECONDS_PER_HOUR))
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <title>kvstore wear report: {html.escape(snapshot.path)}</title>
@@ -425,8 +429,8 @@ th {{ font-weight: normal; color: #444; }} td {{ font-family: monospace; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; }}
 </style></head><body>
 <h1>kvstore wear and performance</h1>
-<p>{html.escape(snapshot.path)} &mdash; generated {generated}; last {days} days, hourly
-resolution. Counters since {since}.</p>
+<p>{html.escape(snapshot.path)} &mdash; generated {generated}. Plots from {window} (the last
+{days} day{plural}, or since the counters began), hourly resolution. Counters since {since}.</p>
 <table>{table}</table>
 <ul>{notes}</ul>
 {figures}
