@@ -112,7 +112,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 from kvstore.errors import IOFailure, KVStoreError, LockedError
 from kvstore.tiering import TierConfig, TierManager
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
-from kvstore.tiering.cost import CostModel, PlanCost
+from kvstore.tiering.cost import GPU_COMPUTE_FLOPS, CostModel, PlanCost
 from kvstore.tiering.results import LoadHandle, LoadPlan, LookupResult, TierStats
 
 __all__ = ["SUPPORTED_SGLANG", "KVStoreHiCache"]
@@ -391,6 +391,9 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         geometry = self._geometry
         options: dict[str, Any] = {"placement": "write_through"}
         options.update(extra.get("tier_options") or {})
+        # The engine prefills on its GPU: the recompute side of the plan is a GPU's
+        # (the manager's own device is its host memory); tier_options may say better.
+        options.setdefault("compute_flops", GPU_COMPUTE_FLOPS)
         return TierConfig(
             device="cpu",
             hbm="owned",

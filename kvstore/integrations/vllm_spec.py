@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import
 from kvstore.integrations.vllm_worker import KVStoreCPUWorker, StagingRegion
 from kvstore.tiering import LookupState, RequestContext, TierConfig, TierManager
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
+from kvstore.tiering.cost import GPU_COMPUTE_FLOPS
 from kvstore.tiering.results import LoadPlan, ReleaseHandle
 
 __all__ = ["SUPPORTED_VLLM_SPEC", "KVStoreOffloadingManager", "KVStoreOffloadingSpec"]
@@ -548,6 +549,9 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         extra = self.extra_config
         staging = max(int(self.num_chunks), 1) * self.kv_bytes_per_chunk
         options: dict[str, Any] = dict(extra.get("tier_options") or {})
+        # The engine prefills on its GPU: the recompute side of the plan is a GPU's
+        # (the manager's own device is its host memory); tier_options may say better.
+        options.setdefault("compute_flops", GPU_COMPUTE_FLOPS)
         return TierConfig(
             device="cpu",
             hbm="owned",
