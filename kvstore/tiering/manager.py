@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import operator
 import threading
@@ -44,6 +43,7 @@ from kvstore.tiering.cost import (
     class_priors,
     make_bandwidths,
 )
+from kvstore.tiering.measure import Measurements
 from kvstore.tiering.mover import FakeMover, Mover, Path, Priority, Ticket, VirtualClock, make_mover
 from kvstore.tiering.pages import BIT, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState, page_key
 from kvstore.tiering.policy import (
@@ -74,7 +74,6 @@ from kvstore.tiering.statsfile import (
 
 __all__ = ["STATS_FILE", "STATS_VERSION", "TierManager"]
 
-_log = logging.getLogger("kvstore.tiering")
 
 META_TAG = "kvt"  # marks an NVMe page written by the tier manager (value: format 1)
 OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
@@ -92,16 +91,6 @@ _RESERVE_DECAY_S = 1200.0
 _RESERVE_BURST_MAX = 0.75
 _WARM_BATCH = 16
 _WARMUP_SAMPLES = 2  # a real mover's first samples per path, discarded
-# Exploration: a gated path is probed after this long without a sample, the wait
-# doubling (to the cap) while probes confirm the estimate.
-_PROBE_FIRST_S = 0.1
-_PROBE_MAX_S = 5.0
-_CALIBRATE_BYTES = 32 << 20  # per copy path at open: past a CPU's cache, past timer ticks
-_CALIBRATE_ROUNDS = 3
-_PROBE_REGION_BYTES = 16 << 20  # a copy probe's buffers (per path, while a tier is gated)
-_PROBE_KEY = b"\x00kvstore-tier-probe"  # the NVMe probe page (no kvt meta: not a page)
-# Persisted bandwidth more than this factor off a fresh calibration is not trusted.
-_TRUST_FACTOR = 4.0
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _NO_CONTEXT = RequestContext()
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
@@ -312,15 +301,19 @@ class TierManager:
         self._fetch_queue_since = 0.0  # when its head started waiting (or last moved)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Exploration: a tier whose κ < 1 is used by nothing, so nothing re-measures
-        # it; the control loop probes its load paths (see _explore).
-        self._probe_every_s: dict[str, float] = {}
-        self._probe_due_s: dict[str, float] = {}
-        self._probe_scratch: dict[str, tuple[Any, Any]] = {}
-        self._probes_in_flight: set[str] = set()
-        self._probe_cursor: dict[str, int] = {}
-        self._probe_written = False
-        self._gated = [False, False, False]  # per tier: κ < 1 (warned once per episode)
+        self._measure = Measurements(
+            config,
+            bandwidth=self._bandwidth,
+            compute=self._compute,
+            cost=self.cost,
+            mover=self._mover,
+            store=self._store,
+            nvme_order=self._orders[NVME],
+            capacity=self._capacity,
+            slot_bytes=slot,
+            counters=self._counters,
+            fake=self._fake,
+        )
         self._stats_error: str | None = None
         self._last_error: str | None = None
         # Saves run outside the state lock (step and close): one at a time, or two
@@ -331,7 +324,8 @@ class TierManager:
                 self._rebuild_from_nvme()
                 self._load_stats()
             if config.probe_at_open and not self._fake:
-                self._calibrate()
+                self._measure.calibrate(r for r in self._pages.values() if r.tiers & 4)
+                self._vd_cache = None
             self._update_gates()
         except BaseException:
             self._close_resources()
@@ -370,9 +364,7 @@ class TierManager:
             snapshot = self._stats_snapshot() if self._stats_path is not None else None
         if snapshot is not None:
             self._write_stats(snapshot)
-        if self._probe_written and self._store is not None:
-            with contextlib.suppress(KVStoreError):
-                self._store.delete(_PROBE_KEY)
+        self._measure.close()
         self._close_resources()
 
     def _close_resources(self) -> None:
@@ -927,7 +919,7 @@ class TierManager:
             self._retry_fetches()
             self._warm_step()
             self._update_gates()
-            self._explore(now)
+            self._measure.explore(now)
             if (
                 self._stats_path is not None
                 and self.config.persist_stats_s > 0
@@ -1605,7 +1597,9 @@ class TierManager:
             # Why: every page is below a κ < 1 (loading slower than recomputing), or
             # this one's value density is below τ.
             self._bump(
-                "admission:nvme:kappa_below_1" if self._gated[NVME] else "admission:nvme:below_tau"
+                "admission:nvme:kappa_below_1"
+                if self._measure.gated[NVME]
+                else "admission:nvme:below_tau"
             )
             self._forget_if_gone(rec)
             return True
@@ -1992,7 +1986,7 @@ class TierManager:
                 self._bump("completion:errors")
                 self._last_error = f"completion of {type(tag).__name__}: {e!r}"
                 if isinstance(tag, Probe):
-                    self._probes_in_flight.discard(tag.path)
+                    self._measure.probe_failed(tag)
         return len(tickets)
 
     def _complete(self, ticket: Ticket, tag: object) -> None:
@@ -2007,7 +2001,7 @@ class TierManager:
         elif isinstance(tag, Load):
             self._load_done(ticket, tag.handle, tag.items)
         elif isinstance(tag, Probe):
-            self._probe_done(ticket, tag.path, tag.rate_before)
+            self._measure.probe_done(ticket, tag.path, tag.rate_before)
 
     def _observe_latency(self, path: Path, seconds: float) -> None:
         key = _LATENCY_KEYS.get(path)
@@ -2282,6 +2276,10 @@ class TierManager:
             self._bump("stats:save_failures")
             self._stats_error = f"{path}: {e}"
 
+    def _update_gates(self) -> None:
+        if self._measure.update_gates():
+            self._admit_epoch += 1  # cached NVMe admissions were decided under the old κ
+
     def _retry_fetches(self) -> None:
         """Demand reads that found DRAM full: start them as slots come free."""
         queue = self._fetch_queue
@@ -2321,280 +2319,6 @@ class TierManager:
             started = self._fetch(batch, _BACKGROUND)
             self._warm_in_flight += started
             self._bump("restart:warmed", started)
-
-    # -- internals: measurement -------------------------------------------------------
-    #
-    # Every estimate that enters the cost model is protected three ways (docs/tiering.md,
-    # "Measurements"): class priors that samples refine, a fit that discards cold
-    # samples and holds outliers (cost.Bandwidth), and exploration: a tier whose κ < 1
-    # is used by nothing, so nothing would re-measure it; its load paths are probed.
-
-    def _calibrate(self) -> None:
-        """Fresh copy rates at open, with enough bytes that a timer tick or one slow
-        copy is noise: per copy path, rounds of copies of ``_CALIBRATE_BYTES`` each,
-        the median round. A configured path is the operator's and is not measured.
-        NVMe reads: a few existing pages, replacing a persisted rate only when it is
-        more than ``_TRUST_FACTOR`` off (one read is a thin sample; history is not)."""
-        configured = self.config.bandwidth_bytes_per_s
-        try:
-            import torch
-
-            cuda = self.config.device.startswith("cuda")
-            # Page-sized copies out of a region larger than a CPU's last-level cache, as
-            # the arena's copies are: a cached buffer would time the cache, not DRAM.
-            size = max(_CALIBRATE_BYTES // self._slot_bytes, 1) * self._slot_bytes
-            host = torch.full((size,), 1, dtype=torch.uint8, pin_memory=cuda)
-            other = torch.full((size,), 2, dtype=torch.uint8)  # touched: no first faults
-            groups: list[tuple[tuple[str, ...], Any, Any]]
-            if cuda:
-                dev = torch.full((size,), 3, dtype=torch.uint8, device=self.config.device)
-                dev2 = torch.empty_like(dev)
-                groups = [(("h2d",), host, dev), (("d2h",), dev, host), (("d2d",), dev, dev2)]
-            else:
-                # On a CPU device every copy path is the same host memcpy: measured once.
-                groups = [(("h2d", "d2h", "d2d", "h2h"), host, other)]
-            for names, src, dst in groups:
-                wanted = [n for n in names if n not in configured]
-                if not wanted:
-                    continue
-                rate = _median_copy_rate(src, dst, self._slot_bytes, cuda)
-                if rate is not None:
-                    for name in wanted:
-                        self._bandwidth[name].set(rate)
-        except Exception as e:  # a calibration is a seed: a failure keeps the priors
-            self._bump("probe:failures")
-            self._stats_error = f"calibration: {e}"
-        self._calibrate_nvme_read()
-        self._vd_cache = None
-
-    def _calibrate_nvme_read(self) -> None:
-        if self._store is None or "nvme_read" in self.config.bandwidth_bytes_per_s:
-            return
-        recs = [r for r in self._pages.values() if r.tiers & 4 and r.nbytes > 0][:8]
-        if not recs:
-            return
-        try:
-            import torch
-
-            scratch = [torch.empty(r.nbytes, dtype=torch.uint8) for r in recs]
-            arrays = [t.numpy() for t in scratch]
-            start = time.perf_counter()
-            got = self._store.get_many_into([r.key for r in recs], arrays)
-            seconds = time.perf_counter() - start
-        except Exception as e:
-            self._bump("probe:failures")
-            self._stats_error = f"calibration: {e}"
-            return
-        moved = sum(n for n in got if n)
-        if not moved or seconds <= 0:
-            return
-        fresh = moved / seconds
-        fit = self._bandwidth["nvme_read"]
-        if not 1 / _TRUST_FACTOR <= fresh / fit.rate <= _TRUST_FACTOR:
-            self._bump("restart:nvme_read_recalibrated")
-            fit.set(fresh)
-
-    def _update_gates(self) -> None:
-        """κ per lower tier against 1: a tier with κ < 1 is not used to load from
-        (the plan recomputes) nor, for NVMe, written to; say so once, and let the
-        exploration probes re-measure it."""
-        changed = False
-        for tier in (DRAM, NVME):
-            if not self._capacity[tier]:
-                continue
-            kappa = self.cost.kappa(tier, self.config.page_bytes)
-            gated = kappa < 1.0
-            if gated == self._gated[tier]:
-                continue
-            changed = True
-            self._gated[tier] = gated
-            name = TIER_NAMES[tier]
-            rates = ", ".join(
-                f"{p} {self._bandwidth[p].rate / 1e6:.1f} MB/s" for p in LOAD_PATHS[tier]
-            )
-            if gated:
-                self._bump(f"gate:{name}:closed")
-                if self._bump_once(f"gate:{name}:warned") and not self._fake:
-                    _log.warning(
-                        "kvstore tier manager: loading from %s is measured slower than "
-                        "recomputing (kappa %.3g: %s, compute %.3g FLOP/s); %s is not used "
-                        "for loads%s until a re-measurement says otherwise (probed every "
-                        "%.2g-%.0f s)",
-                        name,
-                        kappa,
-                        rates,
-                        self._compute.flops_per_s,
-                        name,
-                        " or writes" if tier == NVME else "",
-                        _PROBE_FIRST_S,
-                        _PROBE_MAX_S,
-                    )
-            else:
-                self._bump(f"gate:{name}:opened")
-                if not self._fake:
-                    _log.info("kvstore tier manager: %s is in use again (kappa %.3g)", name, kappa)
-        if changed:
-            self._admit_epoch += 1  # cached NVMe admissions were decided under the old κ
-        if self._probe_scratch and not any(self._gated) and not self._probes_in_flight:
-            self._probe_scratch.clear()  # probe buffers live only while a tier is gated
-
-    def _bump_once(self, name: str) -> bool:
-        if self._counters.get(name):
-            return False
-        self._counters[name] = 1
-        return True
-
-    def _explore(self, now: float) -> None:
-        """Probe the load paths of each gated tier that nothing measured lately: a copy
-        of scratch buffers, or a read of one NVMe page (the probe page, written once,
-        where NVMe holds none). The wait between probes doubles while they confirm
-        the estimate, and starts over when one moves it."""
-        if self._fake or self._closed:
-            return
-        for tier in (DRAM, NVME):
-            if not self._gated[tier]:
-                continue
-            for name in LOAD_PATHS[tier]:
-                if name in self._probes_in_flight or name in self.config.bandwidth_bytes_per_s:
-                    continue
-                fit = self._bandwidth[name]
-                every = self._probe_every_s.get(name, _PROBE_FIRST_S)
-                if now - fit.last_sample_s < every or now < self._probe_due_s.get(name, 0.0):
-                    continue
-                try:
-                    started = self._submit_probe(name)
-                except Exception as e:  # a probe must never take the control loop down
-                    self._bump("probe:failures")
-                    self._stats_error = f"probe {name}: {e}"
-                    started = False
-                self._probe_due_s[name] = now + every
-                if started:
-                    self._bump("probe:" + name)
-
-    def _submit_probe(self, name: str) -> bool:
-        size = self._slot_bytes
-        if name == "nvme_read":
-            # A read as a load does it: a chunk of pages in one ticket (queue depth,
-            # not one page's latency), of full pages NVMe holds, else the probe page.
-            if self._store is None:
-                return False
-            page = self.config.page_bytes
-            # A few leaves from the order's head (a bounded scan; nothing is removed).
-            picked = self._orders[NVME].victims(
-                _READ_CHUNK_PAGES,
-                lambda r: r.state is _READY and r.nbytes == page,
-                4 * _READ_CHUNK_PAGES,
-            )
-            keys = [r.key for r in picked]
-            scratch = self._scratch("nvme", size * _READ_CHUNK_PAGES)[0]
-            if not keys:
-                if not self._probe_written:
-                    self._mover.nvme_write(
-                        self._store,
-                        [(_PROBE_KEY, scratch[:page], None)],
-                        priority=_BACKGROUND,
-                        tag=Probe("nvme_write", self._bandwidth["nvme_read"].rate),
-                    )
-                    self._probes_in_flight.add("nvme_read")
-                    return True
-                keys = [_PROBE_KEY] * _READ_CHUNK_PAGES
-            self._mover.nvme_read(
-                self._store,
-                keys,
-                [scratch[i * size : i * size + page] for i in range(len(keys))],
-                priority=_BACKGROUND,
-                tag=Probe(name, self._bandwidth[name].rate),
-            )
-        else:
-            # Page-sized copies, at least 1 MiB a probe, walking through a region
-            # larger than a CPU's cache (as the arena's copies do): one buffer copied
-            # again and again would time the cache.
-            slots = max(_PROBE_REGION_BYTES // size, 1)
-            src, dst = self._scratch(name, slots * size)
-            reps = min(max(1, (1 << 20) // size), slots)
-            first = self._probe_cursor.get(name, 0)
-            pairs = []
-            for i in range(reps):
-                at = (first + i) % slots * size
-                pairs.append((src[at : at + size], dst[at : at + size]))
-            self._probe_cursor[name] = (first + reps) % slots
-            self._mover.copy(
-                Path(name), pairs, priority=_BACKGROUND, tag=Probe(name, self._bandwidth[name].rate)
-            )
-        self._probes_in_flight.add(name)
-        return True
-
-    def _scratch(self, name: str, size: int) -> tuple[Any, Any]:
-        """Probe buffers per path, allocated at the first probe and kept."""
-        pair = self._probe_scratch.get(name)
-        if pair is None:
-            import torch
-
-            cuda = self.config.device.startswith("cuda")
-            device = self.config.device
-            host = torch.full((size,), 1, dtype=torch.uint8, pin_memory=cuda)
-            if name == "nvme":
-                pair = (host, host)
-            elif cuda and name == "h2d":
-                pair = (host, torch.empty(size, dtype=torch.uint8, device=device))
-            elif cuda and name == "d2h":
-                pair = (torch.full((size,), 1, dtype=torch.uint8, device=device), host)
-            elif cuda and name == "d2d":
-                src = torch.full((size,), 1, dtype=torch.uint8, device=device)
-                pair = (src, torch.empty_like(src))
-            else:
-                pair = (host, torch.full((size,), 2, dtype=torch.uint8))
-            self._probe_scratch[name] = pair
-        return pair
-
-    def _probe_done(self, ticket: Ticket, name: str, rate_before: float) -> None:
-        if name == "nvme_write":
-            self._probes_in_flight.discard("nvme_read")
-            if ticket.error is None and ticket.results and ticket.results[0]:
-                self._probe_written = True
-                self._probe_due_s["nvme_read"] = 0.0  # read it back at the next cycle
-            return
-        self._probes_in_flight.discard(name)
-        if ticket.error is not None:
-            self._bump("probe:failures")
-            return
-        # What this probe measured against what the estimate says: a probe that
-        # agrees lets the next wait double; one that disagrees (held by the fit as an
-        # outlier until others confirm it, or discarded as a cold sample) or that
-        # moved the estimate brings the next probe soon.
-        seconds = ticket.seconds()
-        rate = self._bandwidth[name].rate
-        measured = ticket.moved_bytes / seconds if seconds and seconds > 0 else rate
-        every = self._probe_every_s.get(name, _PROBE_FIRST_S)
-        if 0.5 <= rate / rate_before <= 2.0 and 0.5 <= measured / rate <= 2.0:
-            self._probe_every_s[name] = min(every * 2, _PROBE_MAX_S)
-        else:
-            self._probe_every_s[name] = _PROBE_FIRST_S
-
-
-def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None:
-    """Bytes/s of copying ``src`` into ``dst`` one ``page`` at a time: the median of
-    a few rounds, after one untimed round (first-touch faults, lazy CUDA init)."""
-    import torch
-
-    pairs = [
-        (src[offset : offset + page], dst[offset : offset + page])
-        for offset in range(0, src.numel() - page + 1, page)
-    ]
-    rates = []
-    for round_ in range(_CALIBRATE_ROUNDS + 1):
-        start = time.perf_counter()
-        for s, d in pairs:
-            d.copy_(s, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(dst.device)
-        seconds = time.perf_counter() - start
-        if round_ and seconds > 0:
-            rates.append(page * len(pairs) / seconds)
-    if not rates:
-        return None
-    rates.sort()
-    return float(rates[len(rates) // 2])
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
