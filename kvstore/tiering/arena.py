@@ -31,7 +31,7 @@ from kvstore.tiering._torch import require_torch
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SLOT_ALIGN_BYTES", "Arena", "SlotPool"]
+__all__ = ["SLOT_ALIGN_BYTES", "Arena", "SlotPool", "VirtualSlots"]
 
 SLOT_ALIGN_BYTES = 4096
 _CACHED_VIEW_MIN_SLOT_BYTES = 64 * 1024
@@ -39,7 +39,7 @@ _CACHED_VIEW_MIN_SLOT_BYTES = 64 * 1024
 
 class SlotPool(Protocol):
     """What the tier manager needs of a tier's page slots: an ``Arena`` (real memory)
-    or the simulator's slot counter (``kvstore.tiering.manager._VirtualSlots``)."""
+    or the simulator's slot counter (``VirtualSlots``)."""
 
     slots: int
     slot_bytes: int
@@ -218,3 +218,37 @@ class Arena:
             f"Arena(name={self.name!r}, device={self.device}, slots={self.slots}, "
             f"slot_bytes={self.slot_bytes}, used={self.used_slots()}, pinned={self.pinned})"
         )
+
+
+class VirtualSlots:
+    """Slot accounting without memory: the simulator's ``SlotPool`` (the fake mover's)."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.capacity_bytes = slots * slot_bytes
+        # Slots never handed out are a count, not a list: a huge simulated tier costs
+        # nothing until it is used. Freed slots go back on the list, lowest reused first
+        # (the order a full list would have given).
+        self._fresh = 0
+        self._free: list[int] = []
+
+    def alloc(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._fresh < self.slots:
+            self._fresh += 1
+            return self._fresh - 1
+        return None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def used_slots(self) -> int:
+        return self._fresh - len(self._free)
+
+    def free_slots(self) -> int:
+        return self.slots - self.used_slots()
+
+    def view(self, slot: int, nbytes: int | None = None) -> Any:
+        return None

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from kvstore.errors import ClosedError, IOFailure, KVStoreError
 from kvstore.format.constants import MAX_INDEX_KEY_BYTES
 from kvstore.log.regular import read_regular
-from kvstore.tiering.arena import Arena, SlotPool
+from kvstore.tiering.arena import Arena, SlotPool, VirtualSlots
 from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, WriteBack
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import (
@@ -112,40 +112,6 @@ _DEMAND, _WRITEBACK, _PREFETCH, _BACKGROUND = (
 )
 
 
-class _VirtualSlots:
-    """Slot accounting without memory, for the fake mover (simulation)."""
-
-    def __init__(self, slots: int, slot_bytes: int) -> None:
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        self.capacity_bytes = slots * slot_bytes
-        # Slots never handed out are a count, not a list: a huge simulated tier costs
-        # nothing until it is used. Freed slots go back on the list, lowest reused first
-        # (the order a full list would have given).
-        self._fresh = 0
-        self._free: list[int] = []
-
-    def alloc(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if self._fresh < self.slots:
-            self._fresh += 1
-            return self._fresh - 1
-        return None
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def used_slots(self) -> int:
-        return self._fresh - len(self._free)
-
-    def free_slots(self) -> int:
-        return self.slots - self.used_slots()
-
-    def view(self, slot: int, nbytes: int | None = None) -> Any:
-        return None
-
-
 def _slot_bytes(page_bytes: int) -> int:
     return (page_bytes + 4095) // 4096 * 4096
 
@@ -206,12 +172,12 @@ class TierManager:
         self._readable_mask = 7 if owned_hbm else 6
         self._above_nvme_mask = 5 if owned_hbm else 4  # a DRAM page's readable other copies
         # No owned HBM: a pool of no slots (every HBM call site runs only with owned HBM).
-        self._hbm: SlotPool = _VirtualSlots(0, slot)
+        self._hbm: SlotPool = VirtualSlots(0, slot)
         self._dram: SlotPool
         if self._fake:
             if owned_hbm:
-                self._hbm = _VirtualSlots(config.hbm_bytes // slot, slot)
-            self._dram = _VirtualSlots(config.dram_bytes // slot, slot)
+                self._hbm = VirtualSlots(config.hbm_bytes // slot, slot)
+            self._dram = VirtualSlots(config.dram_bytes // slot, slot)
         else:
             if owned_hbm:
                 self._hbm = Arena(config.hbm_bytes, slot, config.device, name="hbm")

@@ -29,8 +29,9 @@ from kvstore.tiering import (
     TierConfig,
     TierManager,
 )
+from kvstore.tiering.arena import VirtualSlots
 from kvstore.tiering.cost import Bandwidth
-from kvstore.tiering.manager import STATS_FILE, _VirtualSlots
+from kvstore.tiering.manager import STATS_FILE
 from tests.unit.tiering.test_tiering_manager import PAGE, SLOT
 from tests.unit.tiering.test_tiering_manager import config as manager_config
 
@@ -502,7 +503,7 @@ def test_config_refuses_non_finite_bandwidths_and_a_nan_latency() -> None:
 def test_virtual_slots_of_a_huge_tier_cost_nothing_until_used() -> None:
     tracemalloc.start()
     try:
-        slots = _VirtualSlots(10**12, 4096)
+        slots = VirtualSlots(10**12, 4096)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -517,7 +518,7 @@ def test_virtual_slots_of_a_huge_tier_cost_nothing_until_used() -> None:
     assert slots.alloc() == 3
     assert slots.used_slots() == 4
 
-    few = _VirtualSlots(2, 4096)
+    few = VirtualSlots(2, 4096)
     assert few.alloc() == 0 and few.alloc() == 1 and few.alloc() is None
     assert few.free_slots() == 0
     few.free(0)
