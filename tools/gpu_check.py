@@ -184,11 +184,12 @@ def fio_rate(directory: Path, page_bytes: int, total_bytes: int) -> float | None
 #    ceiling of a single pinned buffer.
 # 2. Loads overlap compute: matmuls on an engine-like stream, timed alone, the load
 #    alone, then both at once; the overlap is the share of the shorter one hidden.
-# 3. Offer, then overwrite the source right after the release event (rules R1/R2): the
-#    payload is written on a compute stream behind a long matmul, the offer waits on
-#    the producer's event, the compute stream waits on ``hbm_release.event`` and then
-#    overwrites the source at once; loaded back, every page's checksum must equal the
-#    payload's. Into DRAM (D2H) and into the owned HBM pool (D2D).
+# 3. Offer, then overwrite the source right after the release event (rules R1/R2 of
+#    docs/tiering.md): the payload is written on a compute stream behind a long matmul,
+#    the offer waits on the producer's event, the compute stream waits on
+#    ``hbm_release.event`` and then overwrites the source at once; loaded back, every
+#    page's checksum must equal the payload's. Into DRAM (D2H) and into the owned HBM
+#    pool (D2D).
 
 TIER_OVERLAP_FLOOR = 0.5  # at least half of the shorter of the two hidden
 TIER_LOAD_FLOOR = 0.8

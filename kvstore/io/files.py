@@ -2,7 +2,7 @@
 
 Invariant: every file the store creates, and every rename, is followed by an
 fsync of its parent directory before anything that depends on it is
-acknowledged (a lost directory entry is failure mode 4 in RELIABILITY.md).
+acknowledged (a lost directory entry is failure mode 4 in docs/reliability.md).
 Store files are created readable by their owner only (0o600).
 """
 

@@ -10,8 +10,8 @@ a failed LMDB commit thaws the overlay back (the WAL still holds every change).
 Afterwards the telemetry counters are saved (the only other LMDB writer).
 
 Locks: ``lock`` (the checkpoint lock) -> the journal's commit lock -> the state lock.
-The checkpointer lives with the shared state in space/ (not index/, as
-../shared/REDESIGN.md sketched): it works on the segment accounting and the
+The checkpointer lives with the shared state in space/ (not index/, where a first
+sketch put it; docs/design.md, "Layers"): it works on the segment accounting and the
 counters as much as on the index.
 """
 

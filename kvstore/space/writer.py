@@ -11,8 +11,8 @@ record, counters, one state-lock round per completion batch) only after its writ
 completed whole. A short or failed write stops the writer for good. Reservations of
 pages that were never written are given back.
 
-It lives in space/ with the shared state it publishes into (../shared/REDESIGN.md
-sketched log/segment_writer.py; the publish needs the page table and the policy).
+It lives in space/ with the shared state it publishes into (a first sketch put it in
+log/; docs/design.md, "Layers"; the publish needs the page table and the policy).
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ class SegmentWriter:
             # Read under the same lock as the publish: a group commit swaps the
             # list out under this lock, and a record appended to a list taken
             # before it would be written by nobody while its page is readable
-            # and the next flush() returns (issue 13).
+            # and the next flush() returns (docs/design.md, "Write path").
             pending_records = st.pending
             for pending in published:
                 st.finish_inflight_locked(pending.segment.segment_id)

@@ -8,7 +8,7 @@ keys, occasional ``checkpoint()`` and ``gc()``. Before each operation the child 
 ``begin ...`` on its stdout pipe, and once the operation is acknowledged (the sync
 put or the flush returned) it reports ``ack ...``, before it starts the next one.
 The parent SIGKILLs the child at a random moment, opens the store itself and
-checks every key against the oracle (RELIABILITY.md, "The oracle"):
+checks every key against the oracle (docs/reliability.md, "Kill -9 loop"):
 
 - an acknowledged page is present with exactly the expected bytes (and meta),
   unless a later operation on that key had begun: then the page may also be in
@@ -37,7 +37,8 @@ key deleted) is present with its latest acknowledged bytes and
 durable (the eviction was flushed with it); ``is_retained()`` matches what was
 acknowledged. Each cycle with a capacity picks an eviction policy.
 
-Concurrent writers (``--threads N``, issue 13). The child runs N writer threads
+Concurrent writers (``--threads N``; docs/reliability.md, "Concurrent writers:
+the kill -9 soak"). The child runs N writer threads
 on disjoint shares of the keys (key i belongs to thread i mod N), so per key the
 operations stay sequential and the oracle above holds per key. Thread 0 runs the
 mix above (with ``--retain``, the space operations too) on its share; threads

@@ -1,6 +1,5 @@
 """kvstore.tiering: the tier manager that places KV pages across GPU HBM, host DRAM
-and NVMe (the design brief: TIERING.md; what was built, with its numbers:
-docs/tiering.md).
+and NVMe (what it does and why, with its numbers: docs/tiering.md).
 
 ``TierManager.open(TierConfig(...))`` is the entry point. The manager (and with it
 torch: the arena and the mover move tensors) is imported on first use of

@@ -18,7 +18,7 @@ Invariants:
   (whole-slot views of slots >= 64 KiB are made once and reused).
 
 The arena does not know what a slot holds or whether it may be read: that is
-the page state machine's job (rule R4 in TIERING.md).
+the page state machine's job (rule R4 of docs/tiering.md, "The mover and the ordering rules").
 """
 
 from __future__ import annotations

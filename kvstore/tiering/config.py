@@ -2,13 +2,14 @@
 
 Everything here is a frozen value checked at construction, so a bad option fails at
 ``TierManager.open`` with the field named, never later on an engine's thread. Sizes
-carry ``_bytes``, times ``_s``; the names are the design brief's (../TIERING.md) so
+carry ``_bytes``, times ``_s``; the names are the ones docs/tiering.md uses, so
 engines and docs can rely on them.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,6 +29,9 @@ ADMISSION_MODES = ("value_density", "all", "freq2", "store_threshold:N")
 EVICTION_POLICIES = ("phi", "lru", "arc")
 PLACEMENTS = ("write_back", "write_through", "exclusive")
 _MOVERS = ("auto", "cpu", "cuda", "fake")
+VALUE_FORMULAS = ("expected", "charged")
+# Deprecated value_formula spellings -> the name they stand for.
+_VALUE_FORMULA_ALIASES = {"seed001": "charged"}
 
 
 def _finite(value: object) -> bool:
@@ -36,7 +40,7 @@ def _finite(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    """What recomputing a prefix costs: the prefill FLOPs of seed 000.
+    """What recomputing a prefix costs: its prefill FLOPs (docs/tiering.md, "Admission").
 
     Recomputing ``tokens`` tokens after ``context`` tokens already in the cache costs
     ``2·N·tokens`` for the weights plus ``4·L·H_q·D_h·c`` per token at context ``c``
@@ -136,8 +140,9 @@ class TierConfig:
     layer_overlap: bool = False  # True: a load overlaps the recompute of the rest
     # Policies (the defaults were chosen by `kvstore sim`, docs/tiering.md).
     admission: str = "value_density"
-    # "expected": p·(T_recompute − T_transfer) (seed 000: the transfer is paid only on
-    # a reuse); "seed001": p·T_recompute − T_transfer. Chosen by `kvstore sim`.
+    # "expected": p·(T_recompute − T_transfer) (the transfer is paid only on a reuse);
+    # "charged": p·T_recompute − T_transfer (the transfer charged whether or not the
+    # page is reused; "seed001" is its deprecated alias). Chosen by `kvstore sim`.
     value_formula: str = "expected"
     eviction: str = "phi"
     placement: str = "write_back"
@@ -187,9 +192,17 @@ class TierConfig:
         parse_admission(self.admission)
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if self.value_formula not in ("expected", "seed001"):
+        if isinstance(self.value_formula, str) and self.value_formula in _VALUE_FORMULA_ALIASES:
+            new = _VALUE_FORMULA_ALIASES[self.value_formula]
+            warnings.warn(
+                f"value_formula={self.value_formula!r} is deprecated; use {new!r}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "value_formula", new)
+        if self.value_formula not in VALUE_FORMULAS:
             raise ValueError(
-                f"value_formula must be 'expected' or 'seed001', got {self.value_formula!r}"
+                f"value_formula must be one of {VALUE_FORMULAS}, got {self.value_formula!r}"
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")

@@ -291,12 +291,12 @@ class CostModel:
         return self.recompute_s(self.tokens_per_page) / load if load > 0 else math.inf
 
     def value_density(
-        self, reuse_p: float, depth: int, nbytes: int, tier: int, formula: str = "seed001"
+        self, reuse_p: float, depth: int, nbytes: int, tier: int, formula: str = "charged"
     ) -> float:
-        """Value density in s per byte. ``"seed001"``: (p·T_recompute − T_{tier→HBM}) /
+        """Value density in s per byte. ``"charged"``: (p·T_recompute − T_{tier→HBM}) /
         bytes, the transfer charged whether or not the page is reused; ``"expected"``:
-        p·(T_recompute − T_{tier→HBM}) / bytes, seed 000's expected benefit (a transfer
-        happens only on a reuse)."""
+        p·(T_recompute − T_{tier→HBM}) / bytes, the expected benefit (a transfer
+        happens only on a reuse). docs/tiering.md, "Admission"."""
         tokens = self.tokens_per_page
         recompute = self.recompute_s(tokens, depth * tokens)
         transfer = self.transfer_s(tier, nbytes)

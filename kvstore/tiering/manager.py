@@ -1,7 +1,8 @@
 """``TierManager``: places KV pages across HBM (0), DRAM (1) and NVMe (2).
 
-The engine-facing API of ../TIERING.md. No call waits for I/O on the caller's
-thread: copies and NVMe reads/writes are tickets on the mover; their completions
+The engine-facing API of docs/tiering.md ("API"; the rules R1-R7 cited here are its
+"The mover and the ordering rules"). No call waits for I/O on the caller's thread:
+copies and NVMe reads/writes are tickets on the mover; their completions
 are harvested (rule R6: before any eviction decision) by ``step``, which the control
 thread runs every ``control_interval_s`` (or the caller, with 0: the simulator).
 
@@ -1107,8 +1108,9 @@ class TierManager:
         return per_byte / self._base_recompute_per_byte if self._base_recompute_per_byte else 1.0
 
     def _value_density(self, rec: PageRec, tier: int) -> float:
-        """Seed 001's VD with the recompute time per depth and the transfer time per
-        tier cached (for full pages) until a fit or ``observe_prefill`` moves them."""
+        """The value density (``value_formula``; docs/tiering.md, "Admission") with the
+        recompute time per depth and the transfer time per tier cached (for full
+        pages) until a fit or ``observe_prefill`` moves them."""
         p = self._reuse.p(rec.depth, rec.reused, rec.tag)
         nbytes = rec.nbytes
         formula = self.config.value_formula

@@ -1,6 +1,6 @@
 """Prometheus metrics of the tier manager: its registry, and the persisted statistics'.
 
-Names follow the design brief (../TIERING.md, "Metrics"): the seeds'
+Names as docs/tiering.md, "Metrics and alerts", lists them: the common
 ``kv_cache_hit_total{layer}`` (layer 0 HBM, 1 DRAM, 2 NVMe) with ``kv_cache_miss_total``
 beside it, ``kv_offload_latency_seconds{src_layer,dst_layer}`` and
 ``kv_page_table_size_bytes``, then ``kvstore_tier_*`` for the rest. Units and suffixes as in
@@ -11,7 +11,7 @@ Every scrape reads a fresh ``TierStats`` through the callable given to
 ``registry_for``: ``TierManager.stats`` live, or a view of ``tiering-stats.json``
 (``StatsFileCollector``, for ``kvstore metrics PATH`` beside a running manager).
 
-The store's own collector exports the seeds' names too (as layer 2 only). Both in one
+The store's own collector exports those ``kv_*`` names too (as layer 2 only). Both in one
 exposition would declare a family twice and count layer 2 twice, so
 ``registry_beside_store`` drops the store's families of those names: the manager's,
 which see every layer, replace them (the store's latencies stay in
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 TIER_NAMES = ("hbm", "dram", "nvme")
-LAYERS = ("0", "1", "2")  # the seeds' layer label of each tier
+LAYERS = ("0", "1", "2")  # the ``layer`` label of each tier
 SEED_FAMILIES = frozenset(
     {"kv_cache_hit", "kv_cache_miss", "kv_offload_latency_seconds", "kv_page_table_size_bytes"}
 )
@@ -71,7 +71,7 @@ class TierCollector(Collector):
 
 
 def tier_families(stats: TierStats) -> Iterator[Metric]:
-    """The metric families of one snapshot (TIERING.md, "Metrics")."""
+    """The metric families of one snapshot (docs/tiering.md, "Metrics and alerts")."""
     hit = CounterMetricFamily(
         "kv_cache_hit",
         "KV-cache page lookups served, by the layer that served them (0 HBM, 1 DRAM, 2 NVMe)",
@@ -369,7 +369,7 @@ class WithoutFamilies(Collector):
 
 def registry_beside_store(store: Collector, tier: Collector) -> CollectorRegistry:
     """One registry with the store's metrics and the tier manager's; the manager's
-    families of the seeds' names replace the store's (module docstring)."""
+    families of the ``kv_*`` names replace the store's (module docstring)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WithoutFamilies(store, SEED_FAMILIES))
     registry.register(tier)

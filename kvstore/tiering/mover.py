@@ -18,7 +18,7 @@ eviction decision). Three implementations share one interface:
                a bandwidth on a ``VirtualClock``; the simulator replays traces
                with it. Single-threaded by contract.
 
-Ordering rules kept here (TIERING.md, "Pipeline and ordering rules"):
+Ordering rules kept here (docs/tiering.md, "The mover and the ordering rules"):
 - R1/R3: ``copy(..., wait_event=e)`` makes the copy wait for ``e`` first (CUDA:
   ``stream.wait_event``; CPU: ``e.synchronize()`` on the copy thread when ``e``
   has one), so a D2H never reads a block the producer is still writing and an
@@ -92,7 +92,7 @@ COPY_PATHS = frozenset({Path.D2H, Path.H2D, Path.D2D, Path.H2H})
 
 
 class Priority(enum.IntEnum):
-    """Job priority; lower runs first (the control thread's order, TIERING.md)."""
+    """Job priority; lower runs first (docs/tiering.md, "The mover and the ordering rules")."""
 
     DEMAND = 0
     PREFETCH = 1

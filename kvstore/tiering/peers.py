@@ -520,10 +520,10 @@ class Mooncake(PeerPolicy):
 
 
 class ExclusiveLRU(PeerPolicy):
-    """The seeds' tiered LRU: each block in exactly one tier, demoted on eviction.
+    """Tiered LRU: each block in exactly one tier, demoted on eviction.
 
-    From seed 001 ("Tiered LRU": when L0 is full its LRU page is demoted to L1
-    rather than dropped; when L1 is full, to L2; L2 drops its LRU). A hit in a
+    When L0 is full its LRU page is demoted to L1 rather than dropped; when L1 is
+    full, to L2; L2 drops its LRU. A hit in a
     lower tier moves the block up to HBM. NVMe is written only by a DRAM
     demotion. Simplified: no hysteresis, no pins; an absent tier passes a
     demoted block straight to the next one.

@@ -4,14 +4,14 @@
   seen again while still in it counts a reuse for the class it was recorded under;
   one that falls out unseen counts a non-reuse. p per class is the Beta-smoothed,
   slowly decaying ratio. Classes: (depth bucket, reused yet, engine tag).
-- ``Admission``: seed 001's VD = (p·T_recompute − T_{tier→HBM}) / bytes against τ per
+- ``Admission``: the value density VD (docs/tiering.md, "Admission") against τ per
   tier, or the anchors' frequency modes (``all``, ``freq2``, ``store_threshold:N``).
 - ``TauController``: τ_h tracks the value density of what tier h has been evicting
   (admitting below it would displace something worth more), scaled up while the tier
   is above its warn watermark and, for NVMe, while writes run over the DWPD budget;
   it relaxes back to ``tau_initial`` when the pressure goes.
-- Eviction orders, one per tier, pluggable: ``LRUOrder`` (O(1)), ``PhiOrder`` (seed
-  000's Φ in a lazy heap, O(log n)), ``ARCOrder``. ``victims`` returns up to n pages
+- Eviction orders, one per tier, pluggable: ``LRUOrder`` (O(1)), ``PhiOrder`` (Φ, in a
+  lazy heap, O(log n)), ``ARCOrder``. ``victims`` returns up to n pages
   the caller's predicate accepts, lowest first; the caller ``remove``s each one when
   it actually leaves the tier (a demotion in flight keeps its place until it lands).
 """
@@ -322,8 +322,8 @@ class PhiOrder:
     """Φ lowest first, in a lazy heap.
 
     Φ_i = w1·Recency + w2·log1p(decayed hits) + w3·T_recompute/M_KV − w4·SLO_deficit
-    (seed 000), the hits term for shared pages only (``PageRec.shared``). Recency
-    is ``last_access_s / recency_scale_s``: a linear decay in
+    (docs/tiering.md, "Eviction and placement"), the hits term for shared pages only
+    (``PageRec.shared``). Recency is ``last_access_s / recency_scale_s``: a linear decay in
     time, so Φ of an untouched page falls by the same amount for every page and the
     heap's order stays valid between touches. A touch only raises a page's Φ, so an
     entry is re-filed lazily: when it reaches the head with a Φ below its page's

@@ -95,7 +95,8 @@ _KEPT = frozenset({"admitted", "present"})
 
 
 class ReleaseHandle:
-    """When the engine may reuse the source blocks it offered (rule R2)."""
+    """When the engine may reuse the source blocks it offered (rule R2 of docs/tiering.md,
+    "The mover and the ordering rules")."""
 
     __slots__ = ("_done", "_pump", "event")
 

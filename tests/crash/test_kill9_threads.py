@@ -1,4 +1,5 @@
-"""kill -9 crash loop with concurrent writer threads and a 1 ms flusher (issue 13).
+"""kill -9 crash loop with concurrent writer threads and a 1 ms flusher
+(docs/reliability.md, "Concurrent writers: the kill -9 soak").
 
 Each cycle the child (kvstore/testing/crashloop.py --threads 4) runs four writer threads
 on disjoint shares of the keys: thread 0 the plain mix (sync puts, batches,

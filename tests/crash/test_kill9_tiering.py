@@ -1,5 +1,5 @@
 """kill -9 of the tier manager: acknowledged NVMe pages, the statistics file, the hit
-rate after a restart (../TIERING.md, "Restart").
+rate after a restart (docs/tiering.md, "Restart").
 
 The workloads run in processes forked from one zygote (kvstore/testing/tier_crash.py: importing
 torch per cycle would cost seconds); each is SIGKILLed at a random moment and the

@@ -124,7 +124,8 @@ class TierMachine(RuleBasedStateMachine):
         self.pinned: dict[bytes, int] = {}  # key -> tier bits when first pinned
         # Unfinished loads: the handle, its keys, destinations and expected bytes.
         self.loads: list[Load] = []
-        self.sources: list[torch.Tensor] = []  # kept alive until the copies land (R2)
+        # Kept alive until the copies land (rule R2, docs/tiering.md).
+        self.sources: list[torch.Tensor] = []
         self.version = 0
         # hbm="engine": the engine's GPU cache of the keys its offers placed, least
         # recently offered first (a dict as an ordered set).

@@ -4,7 +4,7 @@ A checksum proves that bytes are what some writer sealed, not that the numbers
 in them are sane. So besides random bytes, every structure here is also built
 field by field with hostile values (huge or zero lengths, offsets past the end,
 bogus segment ids, generations and LSNs near 2**64) and sealed with a *valid*
-checksum, then read back. The rules (issue 4, item 6):
+checksum, then read back. The rules (docs/reliability.md, failure mode 9):
 
 - only ``KVStoreError`` (or a correct result) ever comes out of a reader;
 - no segment read starts or ends outside its file (``os.preadv`` is watched);
@@ -732,7 +732,7 @@ def _odd(kind: str) -> Callable[[Path], None]:
     return make
 
 
-# Fixes that belong to modules owned elsewhere (see the report of issue 4 items 5-6).
+# Cases whose fix belongs to a module other than the readers wait here until it lands.
 _NOT_YET: dict[str, str] = {}  # cases waiting for a fix outside the readers (none now)
 
 

@@ -1,4 +1,5 @@
-"""Read-only readers and read-only fsck beside a churning writer (issue 13).
+"""Read-only readers and read-only fsck beside a churning writer
+(docs/reliability.md, failure mode 11).
 
 A CI-sized run of kvstore/testing/readers.py (``tools/reader_soak.py`` runs the
 same for minutes): one writer process puts, deletes, runs GC and checkpoints

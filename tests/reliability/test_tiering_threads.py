@@ -10,7 +10,7 @@ back all the time. The store opened by the manager fails on its own I/O thread:
 - ``get_many_into`` raises ``IOFailure``, or reports a page missing or short
   after scribbling over its buffer (a read that died mid-DMA);
 - every read first scribbles over its buffers, so a slot served while its NVMe
-  read is still in flight (rule R4) would show garbage;
+  read is still in flight (rule R4, docs/tiering.md) would show garbage;
 - ``put_many`` raises ``IOFailure``, sometimes after storing part of the batch.
 
 A page's bytes are a function of its key (keys are content hashes in an

@@ -1,4 +1,4 @@
-"""The CLI's edges an operator or a newcomer trips on (issue 29): one error line and
+"""The CLI's edges an operator or a newcomer trips on: one error line and
 the documented exit code for ordinary mistakes, no Python in human output, and a
 demo that never deletes a store it did not create.
 """

@@ -1,5 +1,6 @@
-"""Degrade, don't refuse (issue 13): a damaged segment header, WAL file header or
-LMDB index opens the store; only an unprovable superblock refuses it, naming the fix.
+"""Degrade, don't refuse (docs/operations.md, "Degraded open"): a damaged segment
+header, WAL file header or LMDB index opens the store; only an unprovable superblock
+refuses it, naming the fix.
 
 Every test checks the three things the contract promises: the store opens,
 every page it serves is exactly what was put (never an older version, never a

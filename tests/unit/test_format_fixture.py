@@ -1,9 +1,9 @@
 """A store written by the old code opens and reads back bit for bit in the new code.
 
-``fixtures/format_v1_store.tar.gz`` was written by kvstore before issue 17 took
-``KVStore`` apart (``fixtures/make_format_v1_store.py`` says how): pages of several
-sizes and metas, retains, deletes, an overwrite, a GC pass that moved pages and
-freed segments after the last checkpoint, and a live WAL tail (the writer died
+``fixtures/format_v1_store.tar.gz`` was written by kvstore before ``KVStore`` was taken
+apart into the layers of docs/design.md (``fixtures/make_format_v1_store.py`` says how):
+pages of several sizes and metas, retains, deletes, an overwrite, a GC pass that moved
+pages and freed segments after the last checkpoint, and a live WAL tail (the writer died
 without close). Whatever the store's code becomes, opening that store must replay
 the tail and serve exactly the acknowledged pages; ``kvstore recover`` must rebuild
 the same page set from the segments alone. Never regenerate the fixture to make

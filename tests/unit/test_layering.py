@@ -1,6 +1,6 @@
 """The package's layers, and who may reach into ``KVStore`` and LMDB.
 
-Three ratchets (issue 17, step 0): the allowed imports per layer, LMDB writes and
+Three ratchets (docs/design.md, "Layers"): the allowed imports per layer, LMDB writes and
 syncs only through ``IndexEnv`` (the path kvstore.testing.faults records and cuts),
 and no private ``KVStore`` name used outside kvstore/store.py and
 kvstore/lifecycle.py. Each has a list of today's exceptions. The lists may only
@@ -44,7 +44,7 @@ IMPORT_EXCEPTIONS = {
     ("kvstore/tiering/sim_cli.py", "cli"): "shares the CLI's console and exit codes",
     ("kvstore/bench/cli.py", "cli"): "shares the CLI's console and exit codes",
 }
-# gpu/ may not import format/ (issue 17): it reads held, verified extents from the store.
+# gpu/ may not import format/: it reads held, verified extents from the store.
 FORBIDDEN = {("gpu", "format")}
 
 

@@ -1,4 +1,5 @@
-"""Read-only opens beside a live writer see one point in time (issue 13).
+"""Read-only opens beside a live writer see one point in time
+(docs/reliability.md, failure mode 11).
 
 The writer runs in a child process (``kvstore.testing.readers.WriterProcess``;
 LMDB allows one open of an index per process) and is told exactly when to

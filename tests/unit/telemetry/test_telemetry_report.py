@@ -1,4 +1,4 @@
-"""The report's figures read on a young store and on a long one (issue 29, item 7).
+"""The report's figures read on a young store and on a long one.
 
 Each test builds a ``TelemetrySnapshot`` by hand (no store, no disk) and inspects
 the matplotlib figures ``build_figures`` returns: x-limits, line data, markers,

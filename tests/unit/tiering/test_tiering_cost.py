@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+import warnings
 
 import pytest
 
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost, TierConfig, parse_admission
 from kvstore.tiering.cost import LOAD_PATHS, Bandwidth, Compute, CostModel, make_bandwidths
+from kvstore.tiering.sim import parse_overrides
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
 
@@ -117,6 +120,27 @@ def test_value_density_signs() -> None:
     assert fast.value_density(0.9, 3, size, 2) > fast.value_density(0.1, 3, size, 2)
     assert fast.value_density(0.5, 40, size, 2) > fast.value_density(0.5, 0, size, 2)  # attention
     assert fast.value_density(0.5, 0, size, 1) > fast.value_density(0.5, 0, size, 2)
+
+
+def test_value_formula_charged_and_its_deprecated_alias_seed001() -> None:
+    assert TierConfig().value_formula == "expected"
+    assert TierConfig(value_formula="charged").value_formula == "charged"
+    with pytest.warns(DeprecationWarning, match="'seed001' is deprecated; use 'charged'") as seen:
+        old = TierConfig(value_formula="seed001")
+    assert len(seen) == 1
+    assert old == TierConfig(value_formula="charged")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mapped value warns no more
+        assert dataclasses.replace(old, hysteresis_s=2.0).value_formula == "charged"
+    assert parse_overrides("kvstore:value_formula=charged") == {"value_formula": "charged"}
+    with pytest.raises(ValueError, match="value_formula"):
+        TierConfig(value_formula="seed002")
+    # "charged" subtracts the whole transfer, "expected" only p of it.
+    size = 512 * LLAMA8.kv_bytes_per_token
+    fast = model_with(7.0)
+    charged = fast.value_density(0.5, 3, size, 2, "charged")
+    assert charged == fast.value_density(0.5, 3, size, 2)  # the cost model's default
+    assert charged < fast.value_density(0.5, 3, size, 2, "expected")
 
 
 def test_bandwidth_fit_converges_to_alpha_and_rate() -> None:

@@ -1,5 +1,5 @@
 """The simulator, ``kvstore sim`` and ``kvstore tier stat`` run without torch; the real
-tier manager says in one line what to install (issue 29, item 2).
+tier manager says in one line what to install.
 
 Each check runs in a subprocess whose ``import torch`` fails (a meta-path finder
 that refuses it), as in a clone installed without the ``torch`` extra.
