@@ -126,7 +126,7 @@ class Measurements:
                 wanted = [n for n in names if n not in configured]
                 if not wanted:
                     continue
-                rate = _median_copy_rate(src, dst, self.slot_bytes, cuda)
+                rate = _median_copy_rate(src, dst, self.slot_bytes, self.config.device)
                 if rate is not None:
                     for name in wanted:
                         self.bandwidth[name].set(rate)
@@ -339,10 +339,14 @@ class Measurements:
             self._probe_every_s[name] = _PROBE_FIRST_S
 
 
-def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None:
+def _median_copy_rate(src: Any, dst: Any, page: int, device: str) -> float | None:
     """Bytes/s of copying ``src`` into ``dst`` one ``page`` at a time: the median of
-    a few rounds, after one untimed round (first-touch faults, lazy CUDA init)."""
+    a few rounds, after one untimed round (first-touch faults, lazy CUDA init).
+    ``device``: the CUDA device to synchronize (the one the copies run on, whichever
+    side of the copy is on the host), or "cpu"."""
     import torch
+
+    cuda = device.startswith("cuda")
 
     pairs = [
         (src[offset : offset + page], dst[offset : offset + page])
@@ -354,7 +358,7 @@ def _median_copy_rate(src: Any, dst: Any, page: int, cuda: bool) -> float | None
         for s, d in pairs:
             d.copy_(s, non_blocking=cuda)
         if cuda:
-            torch.cuda.synchronize(dst.device)
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         if round_ and seconds > 0:
             rates.append(page * len(pairs) / seconds)
