@@ -89,6 +89,23 @@ _STAGING_WAIT_S = 0.005  # the longest a step waits for a staging chunk to come 
 _log = logging.getLogger(__name__)
 
 
+def _loadable_now(result: Any) -> Any:
+    """A READY plan cut before its first page still on NVMe only. The manager answers
+    READY for such a page when DRAM has no slot to stage it: its ``prepare_load``
+    would stream it through slots as the load's own DRAM pages are copied out and
+    unpinned; but vLLM pins every page of its plan until the step ends, so none comes
+    free, and the load would report the page missing after a second (a RuntimeError
+    here). Cut there, the rest is a MISS (recomputed), and a later lookup may stage it."""
+    tiers = result.plan.tiers
+    load = result.plan.load_pages
+    cut = next((i for i in range(load) if tiers[i] == 2), load)
+    if cut == load:
+        return result
+    plan = dataclasses.replace(result.plan, load_pages=cut, reason="cut: no DRAM slot to stage")
+    state = result.state if cut else LookupState.MISS
+    return dataclasses.replace(result, state=state, plan=plan)
+
+
 @dataclasses.dataclass(eq=False)
 class _GroupPlan:
     """The tier manager's plan for one KV-cache group's run of a request's chunks."""
@@ -284,6 +301,8 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         result = self.tm.lookup(
             page_keys, RequestContext(request_id=ctx.req_id, tokens=tokens), tokens=tokens
         )
+        if result.state is LookupState.READY:
+            result = _loadable_now(result)
         load = result.plan.load_pages if result.state is LookupState.READY else 0
         release = [pk for i, pk in enumerate(page_keys) if pinned[i] and i >= load]
         if release:

@@ -47,7 +47,7 @@ class TensorStaging:
 
 
 def tier_config(path: Path, **overrides: Any) -> TierConfig:
-    return TierConfig(
+    options: dict[str, Any] = dict(
         device="cpu",
         hbm="owned",
         hbm_bytes=0,
@@ -58,8 +58,9 @@ def tier_config(path: Path, **overrides: Any) -> TierConfig:
         nvme_options={"segment_bytes": 4 << 20, "gc_interval_s": 0},
         model=ModelCost(8e9, 32, 32, 128, CHUNK // TOKENS),
         probe_at_open=False,
-        **overrides,
     )
+    options.update(overrides)
+    return TierConfig(**options)
 
 
 def open_manager(path: Path, staging_chunks: int = 8, **overrides: Any) -> KVStoreOffloadingManager:
@@ -471,3 +472,39 @@ def test_two_kv_groups_asked_in_turns_keep_one_plan_each(tmp_path: Path) -> None
             assert "pins 0," in manager.tm.explain(manager.page_key(key)), key
     finally:
         manager.shutdown()
+
+
+def test_a_hit_on_nvme_with_dram_full_of_pins_is_a_miss_not_a_failed_load(
+    tmp_path: Path,
+) -> None:
+    # DRAM holds two chunks, both pinned by another request's plan; the prompt's chunks
+    # are on NVMe only, and no DRAM slot can come free to stage them this step. The
+    # manager's plan is READY (its prepare_load would stream), but vLLM pins the plan:
+    # answering HIT made prepare_load wait a second and raise. Now they are a MISS.
+    manager = open_manager(tmp_path, placement="write_through")
+    keys = chunk_keys("p")
+    store(manager, keys)
+    manager.shutdown()
+    fresh = open_manager(
+        tmp_path,
+        warm_dram_on_open=False,
+        dram_bytes=2 * CHUNK,
+        # Nothing leaves DRAM in the background: it holds exactly the two pinned chunks.
+        watermark_low=1.0,
+        watermark_warn=1.0,
+        watermark_force=1.0,
+    )
+    try:
+        others = chunk_keys("q", 2)
+        store(fresh, others)
+        assert fresh.tm.stats().pages_by_tier[1] == 2
+        assert fresh.tm.pin([fresh.page_key(k) for k in others]) == [True, True]
+        ctx = request("reader", keys)
+        fresh.on_new_request(ctx)
+        answers = [fresh.lookup(k, ctx) for k in keys]
+        assert LookupResult.HIT not in answers, answers
+        assert answers[0] is LookupResult.MISS, answers
+        fresh.on_schedule_end()
+        fresh.tm.unpin([fresh.page_key(k) for k in others])
+    finally:
+        fresh.shutdown()
