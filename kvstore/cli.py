@@ -53,7 +53,7 @@ from kvstore.check import Finding, Findings, check_path, check_store, set_aside_
 from kvstore.errors import CorruptionError, KVStoreError, LockedError, StoreNotFoundError
 from kvstore.format.names import DEMO_MARKER_NAME, SUPERBLOCK_NAME
 from kvstore.store import KVStore
-from kvstore.tiering.sim_cli import sim as sim_command
+from kvstore.tiering.sim.cli import sim as sim_command
 
 __all__ = ["main"]
 

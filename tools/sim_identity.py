@@ -23,7 +23,7 @@ from typing import Any
 
 from kvstore.tiering.config import MODEL_PRESETS
 from kvstore.tiering.sim import Machine, kvstore_config, simulate_kvstore
-from kvstore.tiering.trace import (
+from kvstore.tiering.sim.trace import (
     GENERATOR_KINDS,
     capacity_blocks,
     generate,

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from kvstore.tiering import ModelCost, OfferResult, TierConfig, TierManager
-from kvstore.tiering.trace import Request, generate
+from kvstore.tiering.sim.trace import Request, generate
 
 # The checkout or install that holds this package: the zygote imports the same one.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]

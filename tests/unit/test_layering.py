@@ -41,7 +41,7 @@ SAME_LAYER = {
 }
 # (file, imported package): why. Only shrinks.
 IMPORT_EXCEPTIONS = {
-    ("kvstore/tiering/sim_cli.py", "cli"): "shares the CLI's console and exit codes",
+    ("kvstore/tiering/sim/cli.py", "cli"): "shares the CLI's console and exit codes",
     ("kvstore/bench/cli.py", "cli"): "shares the CLI's console and exit codes",
 }
 # gpu/ may not import format/: it reads held, verified extents from the store.

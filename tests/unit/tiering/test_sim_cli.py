@@ -22,10 +22,10 @@ from click.testing import CliRunner, Result
 
 from kvstore.cli import main
 from kvstore.tiering.config import MODEL_PRESETS
-from kvstore.tiering.peers import POLICIES
-from kvstore.tiering.plots import FrontierNote, frontier_notes, pareto_frontier
-from kvstore.tiering.sim_cli import kvstore_verdict, parse_capacity, parse_capacity_bytes
-from kvstore.tiering.trace import generate, load_trace, trace_facts, write_trace
+from kvstore.tiering.sim.cli import kvstore_verdict, parse_capacity, parse_capacity_bytes
+from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.plots import FrontierNote, frontier_notes, pareto_frontier
+from kvstore.tiering.sim.trace import generate, load_trace, trace_facts, write_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MOONCAKE_TRACE = "mooncake-conversation"  # shipped as package data, read by name

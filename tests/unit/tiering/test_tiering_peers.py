@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstore.tiering.peers import POLICIES, PeerPolicy, make_peer, replay_peer
-from kvstore.tiering.trace import Request, capacity_blocks, generate, load_trace, trace_facts
+from kvstore.tiering.sim.peers import POLICIES, PeerPolicy, make_peer, replay_peer
+from kvstore.tiering.sim.trace import Request, capacity_blocks, generate, load_trace, trace_facts
 
 MOONCAKE_TRACE = "mooncake-conversation"  # shipped as package data, read by name
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import KVStoreError
-from kvstore.tiering.trace import (
+from kvstore.tiering.sim.trace import (
     GENERATOR_KINDS,
     Request,
     TraceError,
@@ -28,7 +28,7 @@ from kvstore.tiering.trace import (
     write_trace,
 )
 
-# Shipped as package data (kvstore/tiering/data/), read by name.
+# Shipped as package data (kvstore/tiering/sim/data/), read by name.
 MOONCAKE_TRACE = "mooncake-conversation"
 
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}'
@@ -196,7 +196,7 @@ def test_the_packaged_trace_is_read_by_name_and_a_file_of_that_name_wins(
 def test_the_packaged_trace_ships_with_its_attribution() -> None:
     from importlib import resources
 
-    data = resources.files("kvstore.tiering").joinpath("data")
+    data = resources.files("kvstore.tiering.sim").joinpath("data")
     notice = data.joinpath("NOTICE").read_text(encoding="utf-8")
     assert "kvcache-ai/Mooncake" in notice and "Apache License, Version 2.0" in notice
     assert data.joinpath("mooncake_conversation.jsonl.gz").read_bytes()[:2] == b"\x1f\x8b"

@@ -24,8 +24,8 @@ from typing import Any
 
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost, TierConfig
 from kvstore.tiering.cost import Compute, CostModel, make_bandwidths
-from kvstore.tiering.peers import POLICIES, make_peer, replay_peer
-from kvstore.tiering.trace import Request, capacity_blocks, trace_facts
+from kvstore.tiering.sim.peers import POLICIES, make_peer, replay_peer
+from kvstore.tiering.sim.trace import Request, capacity_blocks, trace_facts
 
 __all__ = ["Machine", "SimResult", "kvstore_config", "run", "simulate_kvstore"]
 
@@ -345,9 +345,3 @@ def _coerce(key: str, value: str, current: object) -> Any:
         except ValueError:
             return value
     return value
-
-
-if __name__ == "__main__":
-    from kvstore.tiering.sim_cli import main
-
-    main()

@@ -17,7 +17,7 @@ The file is UTF-8 text, gzipped or not (read by its magic bytes, whatever its
 name), with at least one request. A name in ``PACKAGED_TRACES`` that is not a
 file here reads the trace shipped with kvstore (``mooncake-conversation``: the
 Mooncake FAST'25 conversation trace, Apache-2.0, attribution in
-kvstore/tiering/data/NOTICE). Anything else
+kvstore/tiering/sim/data/NOTICE). Anything else
 is a ``TraceError`` naming the file and, for a bad line, the line: bytes that
 are not UTF-8, JSON nested too deeply for the parser, a number too long to
 convert, a token count of 2**53 or more (not a count the cost model's floats
@@ -81,7 +81,7 @@ _MAX_COUNT = 2**53  # token counts: floats hold every integer below it
 # Bytes that are not UTF-8, as the "surrogateescape" error handler decodes them.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
 _GZIP_MAGIC = b"\x1f\x8b"
-# Traces shipped as package data (kvstore/tiering/data/, attribution in its NOTICE),
+# Traces shipped as package data (kvstore/tiering/sim/data/, attribution in its NOTICE),
 # readable by name wherever a trace path is taken: `kvstore sim mooncake-conversation`.
 PACKAGED_TRACES: dict[str, str] = {"mooncake-conversation": "mooncake_conversation.jsonl.gz"}
 
@@ -172,7 +172,7 @@ def _open_trace(name: str) -> Iterator[IO[str]]:
     with contextlib.ExitStack() as stack:
         raw: IO[bytes]
         if packaged is not None and not os.path.lexists(name):
-            data = resources.files("kvstore.tiering").joinpath("data", packaged)
+            data = resources.files("kvstore.tiering.sim").joinpath("data", packaged)
             raw = stack.enter_context(data.open("rb"))
         else:
             raw = stack.enter_context(open(name, "rb"))

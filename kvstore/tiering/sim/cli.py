@@ -40,10 +40,10 @@ from rich.table import Table
 
 from kvstore.errors import KVStoreError
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
-from kvstore.tiering.peers import POLICIES
-from kvstore.tiering.plots import FrontierNote, frontier_notes, is_kvstore, plot_results
-from kvstore.tiering.sim import Machine, kvstore_config, parse_overrides, run
-from kvstore.tiering.trace import (
+from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.plots import FrontierNote, frontier_notes, is_kvstore, plot_results
+from kvstore.tiering.sim.replay import Machine, kvstore_config, parse_overrides, run
+from kvstore.tiering.sim.trace import (
     DEFAULT_BLOCK_TOKENS,
     GENERATOR_KINDS,
     Request,

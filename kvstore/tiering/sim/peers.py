@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.tiering.trace import Request
+from kvstore.tiering.sim.trace import Request
 
 __all__ = [
     "POLICIES",

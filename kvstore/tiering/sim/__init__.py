@@ -1,0 +1,25 @@
+"""``kvstore sim``: the tier manager replayed on request traces beside its peers.
+
+The simulator drives the real ``TierManager`` on the fake mover (a virtual clock,
+no bytes) and models of the peers' policies, on traces read or generated here:
+
+    replay.py   the replay (``run``, ``simulate_kvstore``, ``Machine``, overrides)
+    cli.py      the click command (``kvstore sim``, ``python -m kvstore.tiering.sim``)
+    peers.py    the peers' policies (vLLM, LMCache, SGLang, Dynamo, Mooncake models)
+    trace.py    Mooncake-format traces: read, generate, the packaged one (data/)
+    plots.py    the frontier plots of ``--plot``
+
+The tier manager imports none of it. Neither the simulator nor ``kvstore tier stat``
+needs torch.
+"""
+
+from kvstore.tiering.sim.replay import (
+    Machine,
+    SimResult,
+    kvstore_config,
+    parse_overrides,
+    run,
+    simulate_kvstore,
+)
+
+__all__ = ["Machine", "SimResult", "kvstore_config", "parse_overrides", "run", "simulate_kvstore"]
