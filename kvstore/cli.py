@@ -50,31 +50,26 @@ from rich.table import Table
 
 from kvstore.bench.cli import bench as bench_command
 from kvstore.check import Finding, Findings, check_path, check_store, set_aside_findings
-from kvstore.errors import CorruptionError, KVStoreError, LockedError, StoreNotFoundError
+from kvstore.clikit import (
+    EXIT_CORRUPT,
+    EXIT_LOCKED,
+    EXIT_NOT_FOUND,
+    EXIT_OPERATIONAL,
+    EXIT_USAGE,
+    console,
+    echo_error_json,
+    err_console,
+    message_of,
+    os_reason,
+)
+from kvstore.errors import CorruptionError, KVStoreError, LockedError
 from kvstore.format.names import DEMO_MARKER_NAME, SUPERBLOCK_NAME
 from kvstore.store import KVStore
 from kvstore.tiering.sim.cli import sim as sim_command
 
 __all__ = ["main"]
 
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_LOCKED = 3
-EXIT_CORRUPT = 4
-EXIT_OPERATIONAL = 8
-
 F = TypeVar("F", bound=Callable[..., Any])
-console = Console()
-# Errors are not wrapped: a path or key in a message stays on one line, to copy.
-err_console = Console(stderr=True, soft_wrap=True)
-
-
-def error_json(error: BaseException, exit_code: int) -> dict[str, object]:
-    """What ``--json`` prints when a command fails (docs/operations.md)."""
-    return {
-        "error": {"type": type(error).__name__, "message": _message_of(error)},
-        "exit_code": exit_code,
-    }
 
 
 def _exit_code_of(error: BaseException) -> int:
@@ -85,11 +80,6 @@ def _exit_code_of(error: BaseException) -> int:
     if isinstance(error, KVStoreError | OSError):
         return EXIT_OPERATIONAL  # an OSError kvstore did not wrap: I/O, all the same
     return EXIT_USAGE  # ValueError / TypeError: a key, meta or option the store refuses
-
-
-def _os_reason(error: OSError) -> str:
-    """An OSError as its reason alone ("No such file or directory"), no repr."""
-    return error.strerror or str(error) or type(error).__name__
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -109,34 +99,10 @@ def _errors(as_json: bool = False) -> Iterator[None]:
     except (KVStoreError, ValueError, TypeError, OSError) as e:
         code = _exit_code_of(e)
         label = "corruption" if code == EXIT_CORRUPT else "error"
-        err_console.print(f"[red]{label}:[/red] {escape(_message_of(e))}")
+        err_console.print(f"[red]{label}:[/red] {escape(message_of(e))}")
         if as_json:
-            click.echo(json.dumps(error_json(e, code), indent=2))
+            echo_error_json(e, code)
         sys.exit(code)
-
-
-# The library's hints name Python calls (create=True, readonly=True); on the command
-# line the same advice names commands.
-_CLI_HINTS: tuple[tuple[type[KVStoreError], str], ...] = (
-    (StoreNotFoundError, "create one with `kvstore init PATH`"),
-    (
-        LockedError,
-        "stop the writer first; stat, wear, metrics and fsck without --repair run beside it",
-    ),
-)
-
-
-def _message_of(error: BaseException) -> str:
-    """An error as one line for the command line."""
-    if isinstance(error, OSError) and not isinstance(error, KVStoreError):
-        where = f"{error.filename}: " if error.filename is not None else ""
-        return f"{where}{_os_reason(error)}"
-    message = str(error)
-    if isinstance(error, KVStoreError) and error.hint:
-        for kind, hint in _CLI_HINTS:
-            if isinstance(error, kind):
-                return message.replace(error.hint, hint)
-    return message
 
 
 @click.group()
@@ -305,9 +271,9 @@ def fsck(path: Path, deep: bool, repair: bool, as_json: bool) -> None:
                 findings = _run_fsck(store, deep=deep, repair=repair, quiet=as_json)
         findings.extend(set_aside_findings(path))  # listed (docs/operations.md)
     except (KVStoreError, ValueError) as e:  # FormatVersionError too: exit 8, as README says
-        err_console.print(f"[red]error:[/red] {escape(_message_of(e))}")
+        err_console.print(f"[red]error:[/red] {escape(message_of(e))}")
         if as_json:
-            failed = Finding("error", "operational", _message_of(e), str(path))
+            failed = Finding("error", "operational", message_of(e), str(path))
             click.echo(json.dumps([failed.as_dict()], indent=2))
         sys.exit(FSCK_OPERATIONAL)
     if as_json:
@@ -422,9 +388,9 @@ def recover(path: Path, salvage: bool, dry_run: bool, as_json: bool) -> None:
     try:
         report = recover_store(path, salvage=salvage, dry_run=dry_run)
     except KVStoreError as e:
-        err_console.print(f"[red]error:[/red] {escape(_message_of(e))}")
+        err_console.print(f"[red]error:[/red] {escape(message_of(e))}")
         if as_json:
-            click.echo(json.dumps(error_json(e, RECOVER_OPERATIONAL), indent=2))
+            echo_error_json(e, RECOVER_OPERATIONAL)
         sys.exit(RECOVER_OPERATIONAL)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
@@ -517,9 +483,9 @@ def gc_command(path: Path, full: bool, as_json: bool) -> None:
         )
         failed(e, EXIT_LOCKED, "[yellow]refused:[/yellow]", message)
     except CorruptionError as e:
-        failed(e, EXIT_CORRUPT, "[red]corruption:[/red]", _message_of(e))
+        failed(e, EXIT_CORRUPT, "[red]corruption:[/red]", message_of(e))
     except (KVStoreError, ValueError) as e:
-        failed(e, EXIT_OPERATIONAL, "[red]error:[/red]", _message_of(e))
+        failed(e, EXIT_OPERATIONAL, "[red]error:[/red]", message_of(e))
     if as_json:
         click.echo(json.dumps({"path": str(path), "full": full, **dataclasses.asdict(report)}))
         return
@@ -721,7 +687,7 @@ def metrics(path: Path, port: int, addr: str, device: str | None, tier: bool | N
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:  # the port in use, an address not of this host
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        _fail(f"cannot serve metrics on {addr}:{port}: {_os_reason(e)}", EXIT_OPERATIONAL)
+        _fail(f"cannot serve metrics on {addr}:{port}: {os_reason(e)}", EXIT_OPERATIONAL)
     beside = f" with the tier statistics of {path / STATS_FILE}" if with_tier else ""
     click.echo(f"serving metrics of {path} on http://{addr}:{server.server_port}/metrics{beside}")
     sys.stdout.flush()
@@ -758,7 +724,7 @@ def report(path: Path, html_path: Path, days: int, png_dir: Path | None) -> None
                 target = png_dir / f"plot{index}.png"
                 target.write_bytes(image)
     except OSError as e:  # a missing directory, no permission, a full disk
-        _fail(f"cannot write {target}: {_os_reason(e)}", EXIT_OPERATIONAL)
+        _fail(f"cannot write {target}: {os_reason(e)}", EXIT_OPERATIONAL)
     console.print(f"wrote {html_path} ({len(page):,} bytes, {len(images)} plots)")
 
 

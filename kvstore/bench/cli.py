@@ -15,14 +15,7 @@ from typing import NoReturn
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress, TaskID
 
 from kvstore.bench.common import COLD_METHODS, KIB, MIB
 from kvstore.bench.kv import HotPathConfig
@@ -30,6 +23,7 @@ from kvstore.bench.peers import PEERS
 from kvstore.bench.report import render
 from kvstore.bench.runner import BenchOptions, run_bench
 from kvstore.bench.scaling import SWEEPS, ScalingConfig
+from kvstore.clikit import EXIT_OPERATIONAL, echo_error_json, progress_bar
 from kvstore.errors import KVStoreError
 
 __all__ = ["bench"]
@@ -69,11 +63,9 @@ def _page_counts(max_pages: int) -> tuple[int, ...]:
 def _fail(error: BaseException, as_json: bool) -> NoReturn:
     """A run that cannot go on: one line on stderr, JSON on stdout with ``--json``
     (the same shape as the other commands'), exit 8 (operational)."""
-    from kvstore.cli import EXIT_OPERATIONAL, error_json
-
     Console(stderr=True).print(f"[red]error:[/red] {escape(str(error))}")
     if as_json:
-        sys.stdout.write(json.dumps(error_json(error, EXIT_OPERATIONAL), indent=2) + "\n")
+        echo_error_json(error, EXIT_OPERATIONAL)
     sys.exit(EXIT_OPERATIONAL)
 
 
@@ -211,16 +203,7 @@ def bench(
         settle_s=settle,
         allow_buffered=allow_buffered,
     )
-    progress_console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=progress_console,
-        transient=False,
-        disable=not progress_console.is_terminal,
-    ) as progress:
+    with progress_bar(transient=False) as progress:
         try:
             document = run_bench(options, _RichReporter(progress))
         except (KVStoreError, OSError, RuntimeError, ValueError) as e:

@@ -43,7 +43,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -71,6 +70,11 @@ from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found]
 )
 
 from kvstore.errors import ClosedError, CorruptionError, IOFailure, KVStoreError
+from kvstore.integrations.vllm_namespace import namespace_fields, namespace_of
+
+# The offloading spec on the tier manager lives beside this tier; vLLM loads it from
+# this module (spec_module_path "kvstore.integrations.vllm").
+from kvstore.integrations.vllm_spec import KVStoreOffloadingManager, KVStoreOffloadingSpec
 from kvstore.store import KVStore
 
 __all__ = [
@@ -87,54 +91,11 @@ __all__ = [
 SUPPORTED_VLLM = ">=0.31.0,<0.34"
 
 _KEY_PREFIX = b"vllm/"
-_NAMESPACE_HEX = 16
 _log = logging.getLogger(__name__)
 
 #: How often, at most, the tier looks for evicted pages to report as removed
 #: (only with ``enable_kv_events``; one ``stats()`` call when nothing was evicted).
 _EVICTION_SCAN_S = 1.0
-
-
-def namespace_fields(
-    offloading_spec: OffloadingSpec, chunk_bytes: int, *, share_across_layouts: bool = False
-) -> dict[str, Any]:
-    """What a chunk's bytes depend on, besides its token-prefix hash.
-
-    The parallel layout (tp/pp/pcp/dcp and world size) is part of it unless
-    ``share_across_layouts`` is set and vLLM certifies the bytes as
-    parallelism-agnostic (``OffloadingParallelConfig.is_parallelism_agnostic``).
-    """
-    config = offloading_spec.config
-    parallel = config.parallel
-    fields: dict[str, Any] = {
-        "engine": "vllm",
-        "model": config.model.name,
-        "dtype": str(config.model.dtype),
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "chunk_bytes": chunk_bytes,
-        "kv_cache_groups": [
-            {"tokens_per_block": group.tokens_per_block, "layer_names": list(group.layer_names)}
-            for group in config.groups
-        ],
-        "kv_cache_layout": config.kv_cache_layout,
-        "canonical_layout": bool(config.canonical_layout),
-        "replicated_layout": bool(config.replicated_layout),
-    }
-    if not (share_across_layouts and parallel.is_parallelism_agnostic):
-        fields["parallel"] = {
-            "world_size": parallel.world_size,
-            "tp_size": parallel.tp_size,
-            "pp_size": parallel.pp_size,
-            "pcp_size": parallel.pcp_size,
-            "dcp_size": parallel.dcp_size,
-        }
-    return fields
-
-
-def _namespace(fields: Mapping[str, Any]) -> str:
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_NAMESPACE_HEX]
 
 
 class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
@@ -201,7 +162,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.fields = namespace_fields(
             offloading_spec, chunk_bytes, share_across_layouts=share_across_layouts
         )
-        self.namespace = _namespace(self.fields)
+        self.namespace = namespace_of(self.fields)
         self._prefix = _KEY_PREFIX + self.namespace.encode("ascii") + b"/"
         self._sync_stores = sync_stores
         self._failed_load_ttl_s = float(failed_load_ttl_s)
@@ -786,12 +747,3 @@ class _JobTracker:
             self.keys.extend(keys)
             self._remaining -= 1
             return self._remaining == 0
-
-
-# The offloading spec on the tier manager lives beside this tier; vLLM loads it from
-# this module (spec_module_path "kvstore.integrations.vllm"). Imported last: it uses
-# namespace_fields above.
-from kvstore.integrations.vllm_spec import (  # noqa: E402
-    KVStoreOffloadingManager,
-    KVStoreOffloadingSpec,
-)

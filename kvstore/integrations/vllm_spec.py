@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-not-found]
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # type: ignore[import-not-found]
 
+from kvstore.integrations.vllm_namespace import namespace_fields, namespace_of
 from kvstore.integrations.vllm_worker import KVStoreCPUWorker, StagingRegion
 from kvstore.tiering import LookupState, RequestContext, TierConfig, TierManager
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
@@ -553,13 +554,10 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         self.path = str(path)
         group = config.groups[0]
         self.tokens_per_chunk = int(group.tokens_per_block) * int(self.blocks_per_chunk)
-        # Imported here: kvstore.integrations.vllm re-exports this module's classes.
-        from kvstore.integrations.vllm import _namespace, namespace_fields
-
         self.fields = namespace_fields(self, self.kv_bytes_per_chunk)
         if extra.get("namespace"):  # e.g. a weights revision: new weights, new chunks
             self.fields["namespace"] = str(extra["namespace"])
-        self.namespace = _namespace(self.fields)
+        self.namespace = namespace_of(self.fields)
         self._kvstore_manager: KVStoreOffloadingManager | None = None
         self._kvstore_worker: Any = None
 

@@ -32,7 +32,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ProbeVerdict", "cache_dir", "probe_uring"]
+__all__ = ["ProbeVerdict", "cache_dir", "probe_uring", "uring_available"]
 
 PROBE_VERSION = 1
 _TIMEOUT_S = 30.0
@@ -261,6 +261,11 @@ def probe_uring(
     with _memo_lock:
         _memo[memo_key] = verdict
     return verdict
+
+
+def uring_available(binding: str = "auto") -> bool:
+    """True if io_uring through ``binding`` runs here (probed in a child process)."""
+    return probe_uring(binding).ok
 
 
 def _child(wanted: str) -> int:

@@ -23,14 +23,8 @@ from typing import Any
 
 from kvstore.errors import IOFailure
 from kvstore.io.bindings import Binding, load_binding
-from kvstore.io.probe import probe_uring
 
-__all__ = ["UringEngine", "UringQueue", "uring_available"]
-
-
-def uring_available(binding: str = "auto") -> bool:
-    """True if io_uring through ``binding`` runs here (probed in a child process)."""
-    return probe_uring(binding).ok
+__all__ = ["UringEngine", "UringQueue"]
 
 
 class UringQueue:

@@ -1,9 +1,9 @@
 """The package's layers, and who may reach into ``KVStore`` and LMDB.
 
-Three ratchets (docs/design.md, "Layers"): the allowed imports per layer, LMDB writes and
+Four ratchets (docs/design.md, "Layers"): the allowed imports per layer, LMDB writes and
 syncs only through ``IndexEnv`` (the path kvstore.testing.faults records and cuts),
-and no private ``KVStore`` name used outside kvstore/store.py and
-kvstore/lifecycle.py. Each has a list of today's exceptions. The lists may only
+no private ``KVStore`` name used outside kvstore/store.py and
+kvstore/lifecycle.py, and no import circles between kvstore modules. Each has a list of today's exceptions. The lists may only
 shrink: a new exception fails, and so does one that is no longer needed (remove
 it, or lower its count, in the same change that made it unnecessary).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ PACKAGE = ROOT / "kvstore"
 LAYERS: list[set[str]] = [
     {"errors"},
     {"format"},
-    {"config", "types", "io"},
+    {"config", "types", "io", "clikit"},  # clikit: what the command lines share
     {"log", "inputs"},
     {"index", "identity"},
     {"telemetry"},
@@ -40,10 +41,7 @@ SAME_LAYER = {
     ("testing", "tiering"),  # the tier manager's kill -9 harness (testing/tier_crash.py)
 }
 # (file, imported package): why. Only shrinks.
-IMPORT_EXCEPTIONS = {
-    ("kvstore/tiering/sim/cli.py", "cli"): "shares the CLI's console and exit codes",
-    ("kvstore/bench/cli.py", "cli"): "shares the CLI's console and exit codes",
-}
+IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {}  # none left (the CLIs share clikit)
 # gpu/ may not import format/: it reads held, verified extents from the store.
 FORBIDDEN = {("gpu", "format")}
 
@@ -254,3 +252,184 @@ def test_no_new_private_access_to_kvstore() -> None:
     )
     fewer = {f: (uses.get(f, 0), n) for f, n in PRIVATE_ALLOWANCE.items() if uses.get(f, 0) < n}
     assert not fewer, f"allowances that shrank, lower them (found, allowed): {fewer}"
+
+
+# -- no import circles ----------------------------------------------------------
+
+# Circles of kvstore modules (the modules of one strongly connected component):
+# why it is still there. Only shrinks: a new circle fails, and so does one listed
+# here that is gone (remove it in the change that broke it). None left (issue 26):
+# the CLIs share kvstore/clikit.py, the vLLM tier and spec share
+# kvstore/integrations/vllm_namespace.py, and uring_available moved from
+# kvstore/io/uring.py to kvstore/io/probe.py. Keep it so.
+CIRCLE_ALLOWANCE: dict[frozenset[str], str] = {}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import the interpreter can run: at module level and inside functions
+    (lazy imports are the ones that hide a circle), not under ``if TYPE_CHECKING:``
+    (never run: an annotation cannot make an import circle)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _import_graph(package_dir: Path) -> dict[str, dict[str, int]]:
+    """Module -> {imported module of the same package: line of the first import}.
+
+    An import names the deepest module it reaches (``from kvstore.io import probe``
+    is kvstore.io.probe; ``from kvstore.tiering import TierManager`` is
+    kvstore.tiering, its ``__init__``). The parent packages a module import runs
+    implicitly are not edges.
+    """
+    top = package_dir.name
+    modules: dict[str, tuple[Path, str]] = {}  # name: (file, package it is in)
+    for path in sorted(package_dir.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = (top, *path.relative_to(package_dir).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            modules[".".join(parts[:-1])] = (path, ".".join(parts[:-1]))
+        else:
+            modules[".".join(parts)] = (path, ".".join(parts[:-1]))
+
+    def deepest(name: str) -> str | None:
+        while name not in modules:
+            if "." not in name:
+                return None
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, (path, package) in modules.items():
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [deepest(alias.name) for alias in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    where = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    where = node.module or ""
+                targets = [deepest(f"{where}.{alias.name}") for alias in node.names]
+            for target in targets:
+                if target is not None and target != name:
+                    graph[name].setdefault(target, node.lineno)
+    return graph
+
+
+def _circles(graph: dict[str, dict[str, int]]) -> set[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[frozenset[str]] = set()
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.add(frozenset(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _circle_problems(
+    graph: dict[str, dict[str, int]], allowance: Mapping[frozenset[str], str]
+) -> list[str]:
+    circles = _circles(graph)
+    problems = []
+    for circle in sorted(circles - set(allowance), key=sorted):
+        edges = [
+            f"    {source} -> {target} (line {line})"
+            for source in sorted(circle)
+            for target, line in sorted(graph[source].items())
+            if target in circle
+        ]
+        problems.append(f"import circle {sorted(circle)}:\n" + "\n".join(edges))
+    for circle in sorted(set(allowance) - circles, key=sorted):
+        problems.append(f"allowed circle {sorted(circle)} is gone: remove it from the list")
+    return problems
+
+
+def test_no_import_circles() -> None:
+    problems = _circle_problems(_import_graph(PACKAGE), CIRCLE_ALLOWANCE)
+    assert not problems, (
+        "kvstore modules that import each other, lazily or not (move what both need "
+        "into a module below them):\n" + "\n".join(problems)
+    )
+
+
+def test_the_circle_check_sees_a_new_circle(tmp_path: Path) -> None:
+    """On a tiny package: a circle closed by a lazy import fails; a type-only
+    import and a one-way import do not; an allowance that is gone fails too."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub.c import C\n")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from .sub import c\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.a import A\n"
+    )
+    (pkg / "sub" / "c.py").write_text("class C:\n    pass\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = _import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.b": 1}
+    assert graph["pkg.b"] == {"pkg.sub.c": 2}  # the TYPE_CHECKING import is no edge
+    assert graph["pkg.sub"] == {"pkg.sub.c": 1}
+    assert _circle_problems(graph, {}) == []
+
+    # c.py (in a subpackage) imports d in a function; d imports a: a circle of four.
+    (pkg / "sub" / "c.py").write_text("def late():\n    from pkg.d import x\n")
+    graph = _import_graph(pkg)
+    circle = frozenset({"pkg.a", "pkg.b", "pkg.sub.c", "pkg.d"})
+    assert _circles(graph) == {circle}
+    problems = _circle_problems(graph, {})
+    assert len(problems) == 1 and "pkg.sub.c -> pkg.d (line 2)" in problems[0], problems
+    assert _circle_problems(graph, {circle: "why"}) == []
+
+    # b.py imports a lazily too: the same circle, still one.
+    (pkg / "b.py").write_text("from .sub import c\n\n\ndef late():\n    import pkg.a\n")
+    assert _circles(_import_graph(pkg)) == {circle}
+
+    (pkg / "sub" / "c.py").write_text("")  # now only a <-> b: not the allowed circle
+    graph = _import_graph(pkg)
+    assert _circles(graph) == {frozenset({"pkg.a", "pkg.b"})}
+    problems = _circle_problems(graph, {circle: "why"})
+    assert len(problems) == 2, problems
+    assert "pkg.b -> pkg.a (line 5)" in problems[0] and "is gone" in problems[1]

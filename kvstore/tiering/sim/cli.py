@@ -8,7 +8,7 @@ unchanged, so the table and the JSON never disagree.
 The progress bar and, with ``--json``, the table go to stderr: stdout is then
 exactly one JSON document.
 
-Exit codes (the house's, kvstore/cli.py):
+Exit codes (the house's, kvstore/clikit.py):
     0  success
     2  usage: a bad --capacity, --capacity-bytes, --policy, --model or machine
        figure; TRACE and --generate both given, or neither
@@ -35,9 +35,15 @@ from typing import Any, NoReturn
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstore.clikit import (
+    EXIT_OPERATIONAL,
+    EXIT_USAGE,
+    echo_error_json,
+    err_console,
+    progress_bar,
+)
 from kvstore.errors import KVStoreError
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
 from kvstore.tiering.sim.peers import POLICIES
@@ -62,8 +68,6 @@ __all__ = [
     "validate_policies",
 ]
 
-_EXIT_USAGE = 2  # kvstore.cli's codes; imported from there only when failing (no cycle)
-_EXIT_OPERATIONAL = 8
 _UNATTENDED_WIDTH = 160  # a file or pipe has no width; 80 columns would wrap the table
 _MACHINE = Machine()
 _FRACTIONS = inspect.signature(run).parameters["capacity_fractions"].default
@@ -317,20 +321,16 @@ def _failures(as_json: bool) -> Iterator[None]:
     try:
         yield
     except (KVStoreError, _OperationalError) as e:  # TraceError is a KVStoreError
-        _exit(e, _EXIT_OPERATIONAL, as_json)
+        _exit(e, EXIT_OPERATIONAL, as_json)
     except (ValueError, TypeError) as e:
-        _exit(e, _EXIT_USAGE, as_json)
+        _exit(e, EXIT_USAGE, as_json)
 
 
 def _exit(error: BaseException, code: int, as_json: bool) -> NoReturn:
-    from kvstore.cli import error_json
-
-    # soft_wrap: one line however long (a path and a hint), for logs and grep
-    Console(stderr=True).print(
-        f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True
-    )
+    # err_console is soft_wrap: one line however long (a path and a hint), for logs and grep
+    err_console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
     if as_json:
-        sys.stdout.write(json.dumps(error_json(error, code), indent=2) + "\n")
+        echo_error_json(error, code)
     sys.exit(code)
 
 
@@ -475,16 +475,7 @@ def sim(
             trace_path, kind, seed, request_count, limit, block_tokens, out
         )
         total = len(chosen) if chosen else len(POLICIES) + 1
-        progress_console = Console(stderr=True)
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=progress_console,
-            transient=True,
-            disable=not progress_console.is_terminal,
-        ) as progress:
+        with progress_bar(transient=True) as progress:
             task = progress.add_task("replaying", total=total)
             started = [0]
 
