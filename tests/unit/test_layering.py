@@ -3,9 +3,10 @@
 Four ratchets (docs/design.md, "Layers"): the allowed imports per layer, LMDB writes and
 syncs only through ``IndexEnv`` (the path kvstore.testing.faults records and cuts),
 no private ``KVStore`` name used outside kvstore/store.py and
-kvstore/lifecycle.py, and no import circles between kvstore modules. Each has a list of today's exceptions. The lists may only
-shrink: a new exception fails, and so does one that is no longer needed (remove
-it, or lower its count, in the same change that made it unnecessary).
+kvstore/lifecycle.py, and no import circles between kvstore modules. Each has a
+list of today's exceptions. The lists may only shrink: a new exception fails, and
+so does one that is no longer needed (remove it, or lower its count, in the same
+change that made it unnecessary).
 """
 
 from __future__ import annotations
