@@ -31,7 +31,7 @@ from pathlib import Path as FsPath
 from typing import Any, NamedTuple
 
 from kvstore.errors import ClosedError, IOFailure, KVStoreError
-from kvstore.format.constants import MAX_INDEX_KEY_BYTES
+from kvstore.inputs import key_bytes as store_key
 from kvstore.log.regular import read_regular
 from kvstore.tiering.arena import Arena, SlotPool, VirtualSlots
 from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, WriteBack
@@ -64,6 +64,7 @@ from kvstore.tiering.results import (
     ReleaseHandle,
     RequestContext,
     TierStats,
+    check_count,
 )
 from kvstore.tiering.state import TierState
 from kvstore.tiering.statsfile import (
@@ -393,7 +394,7 @@ class TierManager:
         """
         ctx = _check_ctx(ctx)
         if tokens is not None:
-            _check_count("lookup: tokens", tokens, low=0)
+            check_count("lookup: tokens", tokens, low=0)
         with self._lock:
             self._check_open()
             self._harvest()
@@ -611,11 +612,10 @@ class TierManager:
         count = len(keys)
         key_bytes = [k if type(k) is bytes else page_key(k) for k in keys]
         for i, key in enumerate(key_bytes):
-            if not 0 < len(key) <= MAX_INDEX_KEY_BYTES:
-                raise ValueError(
-                    f"keys[{i}] is {len(key)} bytes; page keys are 1..{MAX_INDEX_KEY_BYTES} "
-                    "bytes (what the NVMe store keeps)"
-                )
+            try:
+                store_key(key)  # what the NVMe store keeps: 1..511 bytes
+            except ValueError as e:
+                raise ValueError(f"keys[{i}]: {e}") from None
         if parents is not None and len(parents) != count:
             raise ValueError(f"{count} keys but {len(parents)} parents")
         first_parent: bytes | None = None
@@ -794,8 +794,8 @@ class TierManager:
 
     def observe_prefill(self, tokens: int, context: int, seconds: float) -> None:
         """The engine measured a prefill of ``tokens`` after ``context`` cached ones."""
-        _check_count("observe_prefill: tokens", tokens, low=1)
-        _check_count("observe_prefill: context", context, low=0)
+        check_count("observe_prefill: tokens", tokens, low=1)
+        check_count("observe_prefill: context", context, low=0)
         if (
             isinstance(seconds, bool)
             or not isinstance(seconds, int | float)
@@ -2144,33 +2144,12 @@ _LAYERS = {
 _LATENCY_KEYS = {path: f"{a}->{b}" for path, (a, b) in _LAYERS.items()}
 
 
-# Counts the cost model multiplies (tokens, context): ints, well inside a float's
-# exact range, so FLOP counts stay finite.
-_MAX_COUNT = 1 << 40
-
-
-def _check_count(name: str, value: object, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if not low <= value <= _MAX_COUNT:
-        raise ValueError(f"{name} must be {low}..{_MAX_COUNT}, got {value}")
-    return value
-
-
 def _check_ctx(ctx: object) -> RequestContext:
-    """``ctx`` or the empty context; a wrong type or a bad field raises, naming it."""
+    """``ctx`` or the empty context (its fields are checked when it is made)."""
     if ctx is None:
         return _NO_CONTEXT
     if not isinstance(ctx, RequestContext):
         raise TypeError(f"ctx must be a RequestContext, not {type(ctx).__name__}")
-    if ctx.tokens is not None:
-        _check_count("ctx.tokens", ctx.tokens, low=0)
-    if ctx.deadline_s is not None and not (
-        isinstance(ctx.deadline_s, int | float) and math.isfinite(ctx.deadline_s)
-    ):
-        raise ValueError(f"ctx.deadline_s must be a finite number, got {ctx.deadline_s!r}")
-    if not isinstance(ctx.tag, str):
-        raise TypeError(f"ctx.tag must be a str, not {type(ctx.tag).__name__}")
     return ctx
 
 

@@ -416,12 +416,12 @@ class _WorkQueue:
         return cancelled
 
 
-def _one_by_one(run: Callable[[int], list[int | None]], count: int) -> list[int | None]:
-    """``run(i)``'s single result for each i in ``range(count)``; None where it raised."""
-    results: list[int | None] = []
+def _one_by_one(run: Callable[[int], object], count: int) -> list[Any]:
+    """``run(i)`` for each i in ``range(count)``; None where it raised."""
+    results: list[Any] = []
     for i in range(count):
         try:
-            results.append(run(i)[0])
+            results.append(run(i))
         except Exception:
             results.append(None)
     return results
@@ -520,7 +520,9 @@ class _ThreadedMover(Mover):
                     return
                 # One bad page (a checksum, an I/O error) raised for the whole batch:
                 # read each page alone, so only the bad one is reported missing.
-                results = _one_by_one(lambda i: store.get_many_into([keys[i]], [arrays[i]]), count)
+                results = _one_by_one(
+                    lambda i: store.get_many_into([keys[i]], [arrays[i]])[0], count
+                )
             ticket.results = results
             ticket.moved_bytes = sum(size for size in results if size is not None)
 
@@ -557,10 +559,7 @@ class _ThreadedMover(Mover):
                 # error): write each page alone, so the others are not lost with it.
                 stored = [
                     bool(ok)
-                    for ok in _one_by_one(
-                        lambda i: [1 if store.put_many([prepared[i]])[0] else None],
-                        len(prepared),
-                    )
+                    for ok in _one_by_one(lambda i: store.put_many([prepared[i]])[0], len(prepared))
                 ]
             results: list[int | None] = [
                 size if ok else None for size, ok in zip(page_sizes, stored, strict=True)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ __all__ = [
     "ReleaseHandle",
     "RequestContext",
     "TierStats",
+    "check_count",
 ]
 
 # The capacity the manager gives a tier without a bound (an NVMe store without
@@ -53,6 +55,32 @@ class RequestContext:
     tokens: int | None = None  # the prompt's length; the plan recomputes the rest
     deadline_s: float | None = None  # the SLO, on the manager's clock
     tag: str = ""  # an engine-chosen class (tenant, model, adapter) for reuse estimates
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None:
+            check_count("RequestContext.tokens", self.tokens, low=0)
+        if self.deadline_s is not None and not (
+            isinstance(self.deadline_s, int | float) and math.isfinite(self.deadline_s)
+        ):
+            raise ValueError(
+                f"RequestContext.deadline_s must be a finite number, got {self.deadline_s!r}"
+            )
+        if not isinstance(self.tag, str):
+            raise TypeError(f"RequestContext.tag must be a str, not {type(self.tag).__name__}")
+
+
+# Counts the cost model multiplies (tokens, context): ints, well inside a float's
+# exact range, so FLOP counts stay finite.
+MAX_COUNT = 1 << 40
+
+
+def check_count(name: str, value: object, *, low: int) -> int:
+    """``value`` as a count the cost model can use: an int in ``low..MAX_COUNT``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not low <= value <= MAX_COUNT:
+        raise ValueError(f"{name} must be {low}..{MAX_COUNT}, got {value}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

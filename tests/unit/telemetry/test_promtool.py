@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
 from tests.conftest import OpenStore
+from tests.unit.tiering.test_tier_cli import scrape, serve, stop
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RULES = REPO_ROOT / "docs" / "alerts" / "kvstore.rules.yml"
@@ -52,31 +49,13 @@ def check_metrics(text: str) -> None:
 
 def scrape_cli_exporter(path: Path, *options: str) -> str:
     """One scrape of ``kvstore metrics PATH --port 0`` (then SIGTERM, exit 0)."""
-    command = [sys.executable, "-m", "kvstore.cli", "metrics", str(path), "--port", "0"]
-    child = subprocess.Popen(
-        [*command, "--addr", "127.0.0.1", *options],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    child, line = serve(path, *options)
     try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
         match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
         assert match, line
-        url = f"http://127.0.0.1:{match.group(1)}/metrics"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                text: str = urllib.request.urlopen(url, timeout=10).read().decode()
-                return text
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        return scrape(f"http://127.0.0.1:{match.group(1)}/metrics")
     finally:
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=30) == 0
+        stop(child)
 
 
 def test_promtool_accepts_the_alert_rules() -> None:
