@@ -41,7 +41,7 @@ class StoreConfig:
     # path, at the price of a busy core while the read runs. 0: always sleep.
     read_poll_us: int = 1000
     lsn_lease_step: int = 1 << 20
-    eviction_policy: str = "fifo"  # a name registered in kvstore.space.policies
+    eviction_policy: str = "fifo"  # a name registered in kvstore.runtime.policies
     low_watermark_segments: int = 2  # evict when fewer free segments remain
     gc_reserve_segments: int = 1  # segments only GC may fill (room to relocate)
     gc_live_ratio: float = 0.5  # compact sealed segments less live than this

@@ -62,15 +62,15 @@ from kvstore.log.segments import (
     open_untrusted_segment,
 )
 from kvstore.log.wal import WalWriter, list_wal_files
-from kvstore.space.checkpoint import Checkpointer
-from kvstore.space.gc import Collector
-from kvstore.space.internals import StoreInternals
-from kvstore.space.policies import POLICIES, make_policy
-from kvstore.space.reads import ReadPath
-from kvstore.space.report import Degraded
-from kvstore.space.segments import SegmentSet
-from kvstore.space.state import StoreState
-from kvstore.space.writer import SegmentWriter
+from kvstore.runtime.checkpoint import Checkpointer
+from kvstore.runtime.gc import Collector
+from kvstore.runtime.internals import StoreInternals
+from kvstore.runtime.policies import POLICIES, make_policy
+from kvstore.runtime.reads import ReadPath
+from kvstore.runtime.report import Degraded
+from kvstore.runtime.rolling import SegmentSet
+from kvstore.runtime.state import StoreState
+from kvstore.runtime.writer import SegmentWriter
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
 

@@ -1,11 +1,11 @@
 """KVStore: the engine-facing API, a facade over the store's components.
 
 The components (docs/design.md, "Layers"; each documents its own locks):
-``lifecycle`` opens and repairs; ``space.state.StoreState`` is the state under the
-one state lock; ``log.journal.Journal`` group-commits the WAL; ``space.writer``
-batches, writes and publishes puts; ``log.segment_reader`` and ``space.reads`` read
-and verify; ``space.segments`` makes segment files; ``space.gc.Collector`` frees,
-compacts and evicts; ``space.checkpoint.Checkpointer`` writes the index;
+``lifecycle`` opens and repairs; ``runtime.state.StoreState`` is the state under the
+one state lock; ``log.journal.Journal`` group-commits the WAL; ``runtime.writer``
+batches, writes and publishes puts; ``log.segment_reader`` and ``runtime.reads`` read
+and verify; ``runtime.rolling`` makes segment files; ``runtime.gc.Collector`` frees,
+compacts and evicts; ``runtime.checkpoint.Checkpointer`` writes the index;
 ``telemetry.recorder.Recorder`` counts. The facade keeps the public methods, the
 threads, the pin and unpin paths (inlined for speed), delete and retain.
 
@@ -59,16 +59,16 @@ from kvstore.log.journal import Journal
 from kvstore.log.regular import require_regular
 from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.wal import list_wal_files
-from kvstore.space.checkpoint import Checkpointer
-from kvstore.space.gc import Collector
-from kvstore.space.internals import StoreInternals
-from kvstore.space.protection import retain_step_locked
-from kvstore.space.reads import ReadPath
-from kvstore.space.report import Degraded, gauges_locked, store_stats_locked
-from kvstore.space.segments import SegmentSet
-from kvstore.space.state import StoreState
-from kvstore.space.tally import GCTally
-from kvstore.space.writer import SegmentWriter
+from kvstore.runtime.checkpoint import Checkpointer
+from kvstore.runtime.gc import Collector
+from kvstore.runtime.internals import StoreInternals
+from kvstore.runtime.protection import retain_step_locked
+from kvstore.runtime.reads import ReadPath
+from kvstore.runtime.report import Degraded, gauges_locked, store_stats_locked
+from kvstore.runtime.rolling import SegmentSet
+from kvstore.runtime.state import StoreState
+from kvstore.runtime.tally import GCTally
+from kvstore.runtime.writer import SegmentWriter
 from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder

@@ -29,7 +29,7 @@ __all__ = ["Journal", "JournalState"]
 
 class JournalState:
     """The journal's part of the store's shared state, guarded by ``lock`` (the
-    store's one state lock; ``cond`` waits on it). ``space.state.StoreState`` extends
+    store's one state lock; ``cond`` waits on it). ``runtime.state.StoreState`` extends
     it with the rest."""
 
     __slots__ = (  # noqa: RUF023 (grouped, not sorted)

@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"log", "inputs"},
     {"index", "identity"},
     {"telemetry"},
-    {"space"},
+    {"runtime"},
     {"store", "lifecycle", "check", "recover"},
     {"gpu", "tiering", "bench", "testing"},
     {"integrations", "cli", "__init__"},

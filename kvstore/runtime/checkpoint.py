@@ -10,7 +10,7 @@ a failed LMDB commit thaws the overlay back (the WAL still holds every change).
 Afterwards the telemetry counters are saved (the only other LMDB writer).
 
 Locks: ``lock`` (the checkpoint lock) -> the journal's commit lock -> the state lock.
-The checkpointer lives with the shared state in space/ (not index/, where a first
+The checkpointer lives with the shared state in runtime/ (not index/, where a first
 sketch put it; docs/design.md, "Layers"): it works on the segment accounting and the
 counters as much as on the index.
 """
@@ -34,7 +34,7 @@ from kvstore.index.table import (
 )
 from kvstore.log.journal import Journal
 from kvstore.log.wal import list_wal_files
-from kvstore.space.state import StoreState
+from kvstore.runtime.state import StoreState
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
 

@@ -15,8 +15,8 @@ from kvstore.format.constants import BLOCK_BYTES
 from kvstore.format.entries import PageEntry
 from kvstore.inputs import check_fits, decode_meta, key_bytes
 from kvstore.log.segment_reader import SegmentReader, Wanted
-from kvstore.space.protection import hold, unhold
-from kvstore.space.state import StoreState
+from kvstore.runtime.protection import hold, unhold
+from kvstore.runtime.state import StoreState
 from kvstore.telemetry import counters as tc
 from kvstore.types import HeldExtent, Key
 

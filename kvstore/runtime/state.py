@@ -23,7 +23,7 @@ from kvstore.format.entries import PageEntry
 from kvstore.index.table import PageTable, SegmentState
 from kvstore.log.journal import JournalState
 from kvstore.log.segments import Segment
-from kvstore.space.policies import EvictionPolicy
+from kvstore.runtime.policies import EvictionPolicy
 
 __all__ = ["StoreState"]
 

@@ -11,7 +11,7 @@ record, counters, one state-lock round per completion batch) only after its writ
 completed whole. A short or failed write stops the writer for good. Reservations of
 pages that were never written are given back.
 
-It lives in space/ with the shared state it publishes into (a first sketch put it in
+It lives in runtime/ with the shared state it publishes into (a first sketch put it in
 log/; docs/design.md, "Layers"; the publish needs the page table and the policy).
 """
 
@@ -34,8 +34,8 @@ from kvstore.io.buffers import AlignedBuffer, BufferPool
 from kvstore.io.engine import IOEngine, IOQueue
 from kvstore.log.journal import Journal
 from kvstore.log.segments import Segment
-from kvstore.space.segments import SegmentSet
-from kvstore.space.state import StoreState
+from kvstore.runtime.rolling import SegmentSet
+from kvstore.runtime.state import StoreState
 from kvstore.telemetry import counters as tc
 
 __all__ = ["COALESCE_BYTES", "SUBMIT_BYTES", "SegmentWriter"]

@@ -29,8 +29,8 @@ import pytest
 import xxhash
 
 from kvstore import KVStore, WriterFailedError
-from kvstore.space.gc import Collector
-from kvstore.space.policies import LRUPolicy
+from kvstore.runtime.gc import Collector
+from kvstore.runtime.policies import LRUPolicy
 from tests.conftest import OpenStore, open_small_store
 
 

@@ -21,11 +21,11 @@ from kvstore.io.engine import IOEngine
 from kvstore.log.journal import Journal
 from kvstore.log.segment_reader import SegmentReader
 from kvstore.log.segments import Segment
-from kvstore.space.gc import Collector
-from kvstore.space.report import Degraded
-from kvstore.space.segments import SegmentSet
-from kvstore.space.state import StoreState
-from kvstore.space.writer import SegmentWriter
+from kvstore.runtime.gc import Collector
+from kvstore.runtime.report import Degraded
+from kvstore.runtime.rolling import SegmentSet
+from kvstore.runtime.state import StoreState
+from kvstore.runtime.writer import SegmentWriter
 
 __all__ = ["StoreInternals"]
 

@@ -19,7 +19,7 @@ import time
 from kvstore.errors import CorruptionError
 from kvstore.format.wal import encode_retain
 from kvstore.log.segment_reader import Wanted
-from kvstore.space.state import StoreState
+from kvstore.runtime.state import StoreState
 
 __all__ = ["hold", "retain_step_locked", "unhold"]
 

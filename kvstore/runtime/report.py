@@ -8,7 +8,7 @@ from typing import Any
 
 from kvstore.format.constants import BLOCK_BYTES, FORMAT_VERSION
 from kvstore.format.entries import SEGMENT_ACTIVE
-from kvstore.space.state import StoreState
+from kvstore.runtime.state import StoreState
 from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry.wear import WearReport
 from kvstore.types import StoreStats

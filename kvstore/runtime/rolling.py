@@ -2,7 +2,7 @@
 the active segment (docs/design.md, "Segments").
 
 The accounting (states, the active segment, the spare, capacity, readers and
-writers per segment) is in ``space.state.StoreState``, under the state lock; this
+writers per segment) is in ``runtime.state.StoreState``, under the state lock; this
 component makes the files. A new segment is named in the WAL (SEGMENT_OPEN) when it
 becomes active, and its directory entry is durable before that (``create_segment``).
 The prepare thread keeps one spare ready so rolling never waits on fallocate.
@@ -19,7 +19,7 @@ from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED
 from kvstore.format.wal import encode_segment_open
 from kvstore.index.table import SegmentState
 from kvstore.log.segments import Segment, create_segment
-from kvstore.space.state import StoreState
+from kvstore.runtime.state import StoreState
 from kvstore.telemetry import counters as tc
 
 __all__ = ["SegmentSet"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import KVStore, PinError, StoreFullError
-from kvstore.space.policies import (
+from kvstore.runtime.policies import (
     CostAwarePolicy,
     LRUPolicy,
     SegmentFIFOPolicy,
@@ -443,7 +443,7 @@ def test_eviction_of_an_old_version_never_hides_a_put_in_flight(
 ) -> None:
     """The eviction's DELETE carries the evicted version's LSN, so a put of the same
     key that was already in flight (reserved before the eviction) still wins."""
-    from kvstore.space.tally import GCTally
+    from kvstore.runtime.tally import GCTally
 
     store = open_store(gc_interval_s=0)
     store.put(key(0), value(0))

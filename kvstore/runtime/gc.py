@@ -45,11 +45,11 @@ from kvstore.io.engine import IOEngine, run_all
 from kvstore.log.journal import Journal, sync_segment
 from kvstore.log.segment_reader import SegmentReader, verify_record
 from kvstore.log.segments import Segment, recycle_segment
-from kvstore.space.policies import SegmentView
-from kvstore.space.segments import SegmentSet
-from kvstore.space.state import StoreState
-from kvstore.space.tally import GCTally
-from kvstore.space.writer import SegmentWriter
+from kvstore.runtime.policies import SegmentView
+from kvstore.runtime.rolling import SegmentSet
+from kvstore.runtime.state import StoreState
+from kvstore.runtime.tally import GCTally
+from kvstore.runtime.writer import SegmentWriter
 from kvstore.telemetry import counters as tc
 
 __all__ = ["Collector"]
