@@ -39,6 +39,8 @@ __all__ = [
     "Measurement",
     "NullReporter",
     "Reporter",
+    "drop_page_cache",
+    "finite",
     "machine_info",
     "mount_of",
     "payload_pool",
@@ -183,6 +185,28 @@ class CacheDropper:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def drop_page_cache() -> bool:
+    """``sync`` then ``3 > /proc/sys/vm/drop_caches`` (root only): False where refused."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def finite(value: object) -> object:
+    """``value`` with every NaN/inf float, at any depth of dicts, lists and tuples,
+    replaced by None: what ``json.dumps(..., allow_nan=False)`` accepts (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(key): finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
 
 
 def drop_caches_allowed() -> bool:

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import KVStore
+from kvstore.bench.common import finite, read_sysfs, remove_tree
 from kvstore.bench.common import machine_info as common_machine_info
-from kvstore.bench.common import read_sysfs
 from kvstore.bench.fio import PROFILES_DIR  # fio_profiles/ at the repository root
 from kvstore.bench.report import SMOKE_TEST_CAVEAT
 
@@ -148,11 +148,6 @@ def settle(seconds: float) -> None:
     os.sync()
     if seconds > 0:
         time.sleep(seconds)
-
-
-def remove_tree(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
 
 
 def cpu_seconds() -> tuple[float, float, int]:
@@ -999,7 +994,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fio_recheck": {name: asdict(result) for name, result in recheck_results.items()},
         "table": [asdict(row) for row in rows],
     }
-    text = json.dumps(_finite(document), indent=2, default=_json_default, allow_nan=False)
+    text = json.dumps(finite(document), indent=2, default=_json_default, allow_nan=False)
     if args.out is not None:
         args.out.write_text(text + "\n")
     print_table(rows, title, to_stderr=args.json)
@@ -1010,17 +1005,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(text)
     return 0
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN/inf float replaced by None (strict JSON)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _json_default(value: object) -> object:

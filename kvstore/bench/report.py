@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.bench.common import Measurement
+from kvstore.bench.common import Measurement, finite
 
 __all__ = ["TARGETS", "Target", "evaluate_targets", "render", "to_json_ready"]
 
@@ -194,19 +194,9 @@ def evaluate_targets(measurements: Sequence[Measurement]) -> list[dict[str, Any]
     return rows
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def to_json_ready(document: Mapping[str, Any]) -> dict[str, Any]:
     """Replace NaN/inf by None so the JSON is strict."""
-    result = _finite(document)
+    result = finite(document)
     assert isinstance(result, dict)
     return result
 
