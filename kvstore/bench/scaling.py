@@ -19,27 +19,39 @@ Four sweeps, each in a fresh store under the bench directory (deleted after):
   page count: 0 is constant per-page cost, 1 would be quadratic total cost
   (``pages_get_p50_slope`` and ``pages_lookup_slope`` likewise).
 
-``plot`` writes one PNG per sweep (matplotlib, Agg backend).
+``plot`` writes one PNG per sweep (matplotlib, Agg backend). ``main`` is the command
+line of tools/scaling.py: the sweeps alone, without the rest of ``kvstore bench``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench.common import CpuTimes, Reporter, payload_pool, percentile, remove_tree
+from kvstore.bench.common import (
+    KIB,
+    MIB,
+    CpuTimes,
+    NullReporter,
+    Reporter,
+    finite,
+    payload_pool,
+    percentile,
+    remove_tree,
+)
 from kvstore.bench.kv import open_bench_store, page_key
 from kvstore.store import KVStore
 
-__all__ = ["SWEEPS", "ScalingConfig", "plot", "run_scaling"]
+__all__ = ["SWEEPS", "ScalingConfig", "main", "plot", "run_scaling"]
 
-KIB = 1 << 10
-MIB = 1 << 20
 SWEEPS = ("page_size", "queue_depth", "fill", "pages")
 
 
@@ -466,3 +478,53 @@ def plot(scaling: dict[str, Any], out_dir: Path) -> list[Path]:
         "kvstore vs page count (4 KiB pages; flat = linear total cost)",
     )
     return written
+
+
+# -- the command line (tools/scaling.py) ----------------------------------------
+
+CLI_DESCRIPTION = (
+    "Scaling sweeps alone (page size, queue depth, store fill, page count), with plots."
+)
+
+
+def _page_counts(max_pages: int) -> tuple[int, ...]:
+    counts, count = [], 1_000
+    while count < max_pages:
+        counts.append(count)
+        count *= 10
+    return (*counts, max_pages)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=CLI_DESCRIPTION)
+    parser.add_argument("--dir", type=Path, default=Path("./bench-data"))
+    parser.add_argument("--plots", type=Path, default=Path("docs/img"))
+    parser.add_argument("--out", type=Path, help="save the points as JSON")
+    parser.add_argument("--sweep", action="append", choices=SWEEPS, help="default: all")
+    parser.add_argument("--max-pages", type=int, default=1_000_000)
+    parser.add_argument("--scaling-mib", type=int, default=256, help="bytes per sweep point")
+    parser.add_argument("--fill-mib", type=int, default=1024, help="capacity of the fill sweep")
+    parser.add_argument("--runtime", type=float, default=30.0, help="cap per point (seconds)")
+    parser.add_argument("--replot", type=Path, help="only redraw the plots of a saved run")
+    args = parser.parse_args(argv)
+    if args.replot is not None:
+        document = json.loads(args.replot.read_text())
+        scaling = document.get("scaling", document)
+    else:
+        config = ScalingConfig(
+            bytes_per_point=args.scaling_mib * MIB,
+            fill_capacity_bytes=args.fill_mib * MIB,
+            fill_segment_bytes=16 * MIB if args.fill_mib >= 512 else 4 * MIB,
+            page_counts=_page_counts(args.max_pages),
+            runtime_s=args.runtime,
+        )
+        args.dir.mkdir(parents=True, exist_ok=True)
+        scaling = run_scaling(args.dir, config, NullReporter(), tuple(args.sweep or SWEEPS))
+        if args.out is not None:
+            args.out.write_text(json.dumps(finite({"scaling": scaling}), indent=2) + "\n")
+    for path in plot(scaling, args.plots):
+        print(path)
+    slope = scaling.get("pages_put_cost_slope")
+    if slope is not None:
+        print(f"per-page put cost vs page count, log-log slope: {slope:.3f}", file=sys.stderr)
+    return 0

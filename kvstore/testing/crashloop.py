@@ -716,6 +716,10 @@ class LoopConfig:
     busy_threads: int = 0  # CPU-bound Python threads in the child (GIL contention)
     busy_procs: int = 0  # CPU-bound processes beside the loop, for the whole run
     max_page_kib: int | None = None  # cap on page sizes (more operations per second)
+    parent_engine: str | None = None  # io_engine of the parent's reopens; None: ``engine``
+    # Called with the recovered store and the cycle after the oracle's checks found
+    # every key readable (tools/crashloop_fsck.py runs fsck there).
+    after_recovery: Callable[[KVStore, int], None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -1092,8 +1096,9 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
             options: dict[str, Any] = {}
             if config.capacity_mib:  # no background GC: nothing may be evicted while checked
                 options.update(capacity_bytes=config.capacity_mib * MIB, gc_interval_s=0)
-            if config.engine is not None:
-                options["io_engine"] = config.engine
+            engine = config.parent_engine or config.engine
+            if engine is not None:
+                options["io_engine"] = engine
             store = open_store(config.dir, config.segment_mib * MIB, **options)
         except StoreNotFoundError:
             # Killed while creating the store: fine as long as nothing was acknowledged.
@@ -1131,6 +1136,8 @@ def verify(config: LoopConfig, oracle: Oracle, summary: LoopSummary, cycle: int)
                 oracle.forget_fresh_keys()
             if not any(failed for _, _, failed in results):
                 _check_index(store, present, summary, cycle)
+                if config.after_recovery is not None:
+                    config.after_recovery(store, cycle)
         finally:
             started = time.perf_counter()
             try:
@@ -1457,8 +1464,9 @@ def format_summary(summary: LoopSummary) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The loop's options (tools/crashloop_fsck.py adds its own to them)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True, help="store directory (new or empty)")
     parser.add_argument("--cycles", type=int, default=200)
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
@@ -1559,13 +1567,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-ops", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--eviction-policy", help=argparse.SUPPRESS)
     parser.add_argument("--space-prob", type=float, default=0.2, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args)
+    summary = run_from_args(args)
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+    else:
+        print(format_summary(summary))
+    return 1 if summary.violations else 0
+
+
+def run_from_args(
+    args: argparse.Namespace,
+    *,
+    parent_engine: str | None = None,
+    after_recovery: Callable[[KVStore, int], None] | None = None,
+) -> LoopSummary:
+    """The loop that the parsed command line asks for (progress on stderr)."""
     directory: Path = args.dir.absolute()
     if args.fresh and (directory / "KVSTORE").exists():
         shutil.rmtree(directory)
@@ -1592,6 +1619,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         busy_threads=args.busy_threads,
         busy_procs=args.busy_procs,
         max_page_kib=args.max_page_kib,
+        parent_engine=parent_engine,
+        after_recovery=after_recovery,
     )
 
     def log(message: str) -> None:
@@ -1604,12 +1633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"with --segment-mib {args.segment_mib})"
         )
     log(f"crashloop: {config.cycles} cycles on {directory}, seed {seed}")
-    summary = run_crashloop(config, log)
-    if args.json:
-        print(json.dumps(summary.as_dict(), indent=2))
-    else:
-        print(format_summary(summary))
-    return 1 if summary.violations else 0
+    return run_crashloop(config, log)
 
 
 if __name__ == "__main__":
