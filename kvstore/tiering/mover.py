@@ -328,6 +328,10 @@ class Mover(abc.ABC):
         """How many tickets have completed so far: the ``since`` of ``wait_completed``."""
         return self._completion_count
 
+    def idle(self) -> None:
+        """A caller with nothing to do until a ticket lands waits a moment."""
+        time.sleep(0.0002)
+
     @abc.abstractmethod
     def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
         """Block until a ticket completes, or ``timeout_s`` passed; True when one did.
@@ -1076,6 +1080,12 @@ class FakeMover(Mover):
     def in_flight_bytes(self, path: Path | None = None) -> int:
         self._settle()
         return super().in_flight_bytes(path)
+
+    def idle(self) -> None:
+        """Nothing to do until a ticket lands: the virtual clock jumps to it."""
+        next_s = self.next_completion_s()
+        if next_s is not None and next_s > self._clock.now():
+            self._clock.set(next_s)
 
     def next_completion_s(self) -> float | None:
         """The finish time of the earliest ticket ``poll()`` has not returned, or None.

@@ -122,11 +122,11 @@ def test_the_dram_clean_reserve_grows_when_allocations_find_none_and_decays_back
     tm = _manager(hbm_bytes=2 * PAGE, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE)
     try:
         base = 1.0 - tm.config.watermark_low
-        assert tm._dram_reserve == base
+        assert tm._evict.dram_reserve == base
         # A burst with no time for cleaning: every allocation finds DRAM dirty.
         for i in range(40):
             tm.offer([b"b%d" % i], None)
-        grown = tm._dram_reserve
+        grown = tm._evict.dram_reserve
         assert grown > base + 0.05, grown
         assert tm._counters.get("dram:reserve_dry", 0) > 0
         assert grown <= 0.5  # the ceiling
@@ -134,7 +134,7 @@ def test_the_dram_clean_reserve_grows_when_allocations_find_none_and_decays_back
             _tick(tm, 1200.0)
         # Back to the base, or to the floor of twice the largest offer (1 page of 8).
         floor = max(base, 2 * 1 / 8)
-        assert abs(tm._dram_reserve - floor) < 0.01, tm._dram_reserve
+        assert abs(tm._evict.dram_reserve - floor) < 0.01, tm._evict.dram_reserve
     finally:
         tm.close()
 
@@ -146,10 +146,10 @@ def test_the_clean_reserve_covers_twice_the_largest_offer() -> None:
     try:
         tm.offer([b"x0", b"x1", b"x2"], None)
         _tick(tm, 1.0)
-        assert tm._dram_reserve == pytest.approx(6 / 16), tm._dram_reserve
+        assert tm._evict.dram_reserve == pytest.approx(6 / 16), tm._evict.dram_reserve
         tm.offer([b"y%d" % i for i in range(12)], None)
         _tick(tm, 1.0)
-        assert tm._dram_reserve == pytest.approx(0.75)  # the ceiling of the floor
+        assert tm._evict.dram_reserve == pytest.approx(0.75)  # the ceiling of the floor
     finally:
         tm.close()
 
@@ -160,6 +160,6 @@ def test_a_configured_reserve_above_the_ceiling_is_never_lowered() -> None:
         for i in range(40):
             tm.offer([b"b%d" % i], None)
         assert tm._counters.get("dram:reserve_dry", 0) > 0
-        assert tm._dram_reserve >= 0.7 - 1e-9, tm._dram_reserve
+        assert tm._evict.dram_reserve >= 0.7 - 1e-9, tm._evict.dram_reserve
     finally:
         tm.close()

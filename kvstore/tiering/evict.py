@@ -1,0 +1,582 @@
+"""Eviction and write-back: making room in each tier, and NVMe's writes.
+
+``Eviction`` frees slots (docs/tiering.md, "Eviction"): at once for an allocation
+(clean pages first, then pages NVMe declines, then a batch), down to the low
+watermark in the control cycle, and ahead of need (HBM's pre-demotion, DRAM's clean
+reserve). Victims' last copies go down a tier or are dropped by admission; DRAM ->
+NVMe writes are paced at one second of measured write bandwidth, an emergency sheds
+load when the disk falls behind, and NVMe frees on allocation (a delete). The
+completions of demotions and write-backs land here too. State under the manager's
+lock; every change of a page's tiers goes through ``TierState``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+from collections import deque
+from collections.abc import Callable
+
+from kvstore.errors import KVStoreError
+from kvstore.tiering.completions import WriteBack
+from kvstore.tiering.config import TierConfig
+from kvstore.tiering.copies import Copies
+from kvstore.tiering.cost import Bandwidth
+from kvstore.tiering.measure import Measurements
+from kvstore.tiering.mover import Mover, Path, Priority, Ticket
+from kvstore.tiering.nvme import NvmeTier
+from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
+from kvstore.tiering.state import TierState
+from kvstore.tiering.value import Valuation
+
+__all__ = ["Eviction", "copyable"]
+
+BATCH = 64  # pages per eviction batch at most
+# The DRAM clean reserve's growth per allocation that found none, its ceiling, and
+# the time constant of its decay back to 1 - watermark_low (chosen by `kvstore sim`).
+_RESERVE_STEP = 0.1
+_RESERVE_MAX = 0.5
+_RESERVE_DECAY_S = 1200.0
+# The clean reserve covers twice the largest offer seen (each page of a burst may
+# need a DRAM slot for itself and one for the HBM page it displaces), up to this
+# share of DRAM: a DRAM of a few bursts is otherwise full of dirty pages when the
+# next burst comes, and declines it.
+_RESERVE_BURST_MAX = 0.75
+_READY, _EVICTING = PageState.READY, PageState.EVICTING
+_WRITEBACK = Priority.WRITEBACK
+_NVME_WRITE = Path.NVME_WRITE
+
+FireWaiters = Callable[..., None]
+
+
+class Eviction:
+    """Room in every tier: victims, demotions, write-back, pacing and the emergency."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        state: TierState,
+        value: Valuation,
+        *,
+        nvme: NvmeTier,
+        copies: Copies,
+        mover: Mover,
+        bandwidth: dict[str, Bandwidth],
+        measure: Measurements,
+        now: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self._state = state
+        self._nvme = nvme
+        self._nvme_enabled = nvme.enabled
+        self._copies = copies
+        self._mover = mover
+        self._bandwidth = bandwidth
+        self._measure = measure
+        self._now = now
+        self._capacity = state.capacity
+        self._used = state.used
+        self._leaving = state.leaving
+        self._slot_bytes = state.slot_bytes
+        self._orders = state.orders
+        self._clean_hbm = state.clean_hbm
+        self._clean_dram = state.clean_dram
+        self._hbm = state.hbm
+        self._dram = state.dram
+        self._owned_hbm = state.owned_hbm
+        self._above_nvme_mask = state.above_nvme_mask
+        self._counters = state.counters
+        self._bump = state.bump
+        self._set_tier = state.set_tier
+        self._clear_tier = state.clear_tier
+        self._busy = state.busy
+        self._settle = state.settle
+        self._leave = state.leave
+        self._stay = state.stay
+        self._enter_order = state.enter_order
+        self._forget_if_gone = state.forget_if_gone
+        self._admission = value.admission
+        self._tau = value.tau
+        self._admits_nvme = value.admits_nvme
+        self._value_density = value.value_density
+        # Loads' waiters on a page that landed (set by the manager: loads come after).
+        self.fire_waiters: FireWaiters = _no_waiters
+        # The share of DRAM kept clean: 1 - watermark_low, more while allocations find
+        # no clean page (write-heavy traffic), decaying back when they stop.
+        self.dram_reserve = 1.0 - config.watermark_low
+        self.burst_pages = 0  # the most pages one offer brought (the reserve's floor)
+        self._reserve_at = 0.0
+        self.emergency = False
+        self._emergency_offers = 0
+        self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
+        self._batch_write_bytes = 0  # write-back chosen in this eviction batch, not queued yet
+        self.nvme_written = [0, 0]  # pages, bytes
+        self._write_window: deque[tuple[float, int]] = deque()
+
+    # -- allocation --------------------------------------------------------------
+
+    def alloc(self, tier: int) -> int | None:
+        """A slot in HBM or DRAM, evicting at once if the tier is full; None: no room."""
+        arena = self._hbm if tier == HBM else self._dram
+        slot: int | None = arena.alloc()
+        if slot is None:
+            self._evict_now(tier)
+            slot = arena.alloc()
+        return slot
+
+    def _eligible(self, tier: int, force: bool) -> Callable[[PageRec], bool]:
+        now = self._now()
+        hysteresis = self.config.hysteresis_s
+        # Leaves first only where the victim's last copy goes: an HBM victim that DRAM
+        # admits is demoted and leaves no hole. (DRAM keeps leaves first even where it
+        # writes back: measured on the conversation trace, freeing parents there first
+        # empties the chains' DRAM copies a request later finds.)
+        below: Callable[[PageRec], bool] | None = None
+        if tier == HBM:
+            tau = self._tau.tau[DRAM]
+            admit = self._admission.admit
+
+            def below(rec: PageRec) -> bool:
+                return admit(rec, DRAM, 0, tau)
+
+        resident = _RESIDENT_CHILDREN[tier]
+
+        def eligible(rec: PageRec) -> bool:
+            if rec.pins or rec.waiters or rec.state is not _READY:
+                return False
+            if resident(rec) and (below is None or not below(rec)):
+                return False
+            return force or now - rec.promoted_at_s >= hysteresis
+
+        return eligible
+
+    def _evict_now(self, tier: int) -> None:
+        """A slot is wanted at once: free a batch of pages that can go without a copy
+        (HBM/DRAM pages with a copy below, or not worth keeping); demote the rest in
+        the background."""
+        # Two pages per allocation that finds the tier full: a bigger batch leaves
+        # slots empty that an exclusive chain would fill (measured by `kvstore sim`).
+        batch = 2
+        clean_list = self._clean_hbm if tier == HBM else self._clean_dram
+        # Pages with a copy below go at once (lowest rank first, as any victim); a
+        # demotion would free nothing now. (An empty list answers none.)
+        clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
+        if clean:
+            clear = self._clear_tier
+            for rec in clean:
+                clear(rec, tier)
+            counter = _EVICT_CLEAN[tier]
+            counters = self._counters
+            counters[counter] = counters.get(counter, 0) + len(clean)
+            return
+        if tier == DRAM:
+            # The clean reserve ran dry: grow it (it decays back in the control cycle).
+            ceiling = max(_RESERVE_MAX, 1.0 - self.config.watermark_low)
+            self.dram_reserve = min(ceiling, self.dram_reserve + _RESERVE_STEP)
+            self._bump("dram:reserve_dry")
+        if tier == DRAM and self._nvme_enabled:
+            # Next best: a leaf NVMe declines — dropping it frees the slot now, where
+            # a page NVMe wants would only queue a write.
+            eligible = self._eligible(DRAM, False)
+            droppable = self._orders[DRAM].take(  # each one is cleared below
+                batch, lambda r: eligible(r) and not self._admits_nvme(r), 256
+            )
+            if not droppable:
+                # No such leaf near the head (chains NVMe declines, e.g. a disk slower
+                # than recompute): drop the lowest page NVMe declines even with
+                # children in DRAM. They become unreachable and go as leaves later;
+                # stalling instead would decline every new page.
+                droppable = self._orders[DRAM].take(
+                    1, lambda r: copyable(r) and not self._admits_nvme(r), 64
+                )
+                if droppable:
+                    self._bump("evict:dram:not_leaf")
+            for rec in droppable:
+                self._clear_tier(rec, DRAM)
+                self._bump("evict:dram:dropped")
+                self._forget_if_gone(rec)
+            if droppable:
+                return
+        self._evict_to(tier, None, force=False, batch=batch)
+
+    # -- the control cycle -------------------------------------------------------
+
+    def cycle(self, now: float, usage: tuple[float, float, float]) -> None:
+        """The control cycle's eviction: batches down to the low watermark where a
+        slot cannot be freed at once, HBM's pre-demotion, DRAM's clean reserve."""
+        config = self.config
+        # Batch eviction only where a slot cannot be freed at once: a tier with
+        # clean pages (a copy below) frees one the moment it is wanted, and NVMe
+        # frees on allocation (a delete). See docs/tiering.md, "Eviction".
+        for tier, clean_list in ((HBM, self._clean_hbm), (DRAM, self._clean_dram)):
+            if (tier == HBM and not self._owned_hbm) or len(clean_list):
+                continue
+            if usage[tier] >= config.watermark_warn:
+                force = usage[tier] >= config.watermark_force
+                self._evict_to(tier, config.watermark_low, force=force)
+        if self._owned_hbm and usage[HBM] >= config.watermark_low:
+            self._predemote()
+        base = 1.0 - config.watermark_low
+        if self.dram_reserve > base:
+            decay = math.exp(-max(now - self._reserve_at, 0.0) / _RESERVE_DECAY_S)
+            self.dram_reserve = base + (self.dram_reserve - base) * decay
+        if self.burst_pages and self._capacity[DRAM]:
+            burst = 2 * self.burst_pages * self._slot_bytes / self._capacity[DRAM]
+            self.dram_reserve = max(self.dram_reserve, min(burst, _RESERVE_BURST_MAX))
+        self._reserve_at = now
+        if usage[DRAM] >= 1.0 - self.dram_reserve:
+            self._preclean()
+
+    def _evict_to(self, tier: int, low: float | None, *, force: bool, batch: int = BATCH) -> int:
+        """Evict from ``tier`` down to ``low`` x capacity (None: one batch, for an
+        allocation that wants a slot now). Background eviction waits while the disk
+        has a second of writes queued; an urgent one drops the victim instead."""
+        urgent = force or low is None
+        capacity = self._capacity[tier]
+        if not capacity:
+            return 0
+        want = batch
+        if low is not None:
+            excess = self._used[tier] - self._leaving[tier] - low * capacity
+            unit = self._slot_bytes
+            want = min(batch, max(0, math.ceil(excess / unit)))
+        if want <= 0:
+            return 0
+        now = self._now()
+        order = self._orders[tier]
+        # NVMe deletes every victim it is given; HBM and DRAM may stop part-way (blocked).
+        choose = order.take if tier == NVME else order.victims
+        done = 0
+        for _ in range(4):  # a chain frees its tail first: a few rounds per batch
+            victims = choose(want - done, self._eligible(tier, force), want * 8 + 64)
+            if not victims and not force and done == 0:
+                victims = choose(want, self._eligible(tier, True), want * 8 + 64)
+                if victims:
+                    self._bump("hysteresis_overridden", len(victims))
+            if not victims:
+                break
+            writes: list[PageRec] = []
+            demoted: list[PageRec] = []
+            blocked = False
+            for rec in victims:
+                if tier == NVME:
+                    self._evict_nvme(rec)
+                elif tier == DRAM:
+                    if not self._evict_dram(rec, now, writes, urgent):
+                        blocked = True
+                        break
+                    self._batch_write_bytes += rec.nbytes if writes and writes[-1] is rec else 0
+                elif not self._evict_hbm(rec, now, demoted):
+                    blocked = True  # DRAM has no room yet: the rest waits a cycle
+                    break
+                done += 1
+            self._batch_write_bytes = 0
+            if writes:
+                self.write_back(writes, demote=True)
+            if demoted:
+                self._submit_demotions(demoted)
+            if blocked or done >= want:
+                break
+        return done
+
+    # -- victims -------------------------------------------------------------------
+
+    def _evict_hbm(self, rec: PageRec, now: float, demoted: list[PageRec]) -> bool:
+        """Demote or drop one HBM victim; False when DRAM had no slot for it."""
+        ok = self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM])
+        if rec.in_tier(DRAM):
+            self._clear_tier(rec, HBM)
+            self._bump("evict:hbm:clean")
+            return True
+        if not ok:
+            self._clear_tier(rec, HBM)
+            self._bump("evict:hbm:dropped")
+            self._forget_if_gone(rec)
+            return True
+        slot = self.alloc(DRAM)
+        if slot is None:
+            # DRAM is busy writing back: the page waits in HBM for the next cycle.
+            self._bump("evict:hbm:blocked")
+            return False
+        rec.dram_slot = slot
+        self._busy(rec, _EVICTING)
+        rec.demoted_at_s = now
+        self._leave(rec, HBM)
+        demoted.append(rec)
+        return True
+
+    def _submit_demotions(self, recs: list[PageRec], *, keep: bool = False) -> None:
+        """One D2H copy for a batch of HBM pages (their DRAM slots are taken); with
+        ``keep`` they stay in HBM too (a clean reserve), else they leave it."""
+        self._copies.demote(recs, keep)
+        self._bump("demotions", len(recs))
+
+    def _evict_dram(self, rec: PageRec, now: float, writes: list[PageRec], urgent: bool) -> bool:
+        """Free, drop or queue for write-back one DRAM victim; False: paced, wait."""
+        if rec.tiers & self._above_nvme_mask:  # NVMe or owned HBM holds a copy
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:clean")
+            return True
+        if not self._nvme_enabled:
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:dropped")
+            self._forget_if_gone(rec)
+            return True
+        if self.emergency and not rec.retained:
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:emergency")
+            self._bump("emergency_evictions")
+            self._forget_if_gone(rec)
+            return True
+        if not self._admits_nvme(rec):
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:dropped")
+            # Why: every page is below a κ < 1 (loading slower than recomputing), or
+            # this one's value density is below τ.
+            self._bump(
+                "admission:nvme:kappa_below_1"
+                if self._measure.gated[NVME]
+                else "admission:nvme:below_tau"
+            )
+            self._forget_if_gone(rec)
+            return True
+        if self._write_paced():
+            if rec.retained or not urgent or rec.tiers & 1:
+                # The disk has a second of writes queued: wait a cycle. (A page the
+                # engine's GPU also holds waits too: dropped here, it would be lost
+                # with the engine's copy, its DRAM copy being the manager's only one.)
+                return False
+            # Writes already queue a second deep: dropping the least valuable page
+            # beats stalling DRAM (a stall declines new pages, and orphans their chains).
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:paced")
+            self._forget_if_gone(rec)
+            return True
+        self._bump("admission:nvme:admitted")
+        rec.demoted_at_s = now
+        writes.append(rec)
+        return True
+
+    def _evict_nvme(self, rec: PageRec) -> None:
+        self._tau.on_evict(NVME, self._value_density(rec, NVME))
+        self._clear_tier(rec, NVME)
+        if rec.retained:
+            self._nvme.release(rec.key)
+        self._nvme.delete(rec.key)
+        self._bump("evict:nvme:deleted")
+        if not rec.tiers:
+            self._forget_if_gone(rec)
+
+    # -- ahead of need -------------------------------------------------------------
+
+    def _predemote(self) -> None:
+        """Owned HBM: copy the lowest-ranked HBM pages to DRAM while they stay in HBM,
+        up to a reserve of (1 - low) of HBM, so an HBM allocation frees a slot at once."""
+        cap = self._capacity[HBM]
+        reserve = (1.0 - self.config.watermark_low) * cap
+        want = int((reserve - len(self._clean_hbm) * self._slot_bytes) // self._slot_bytes)
+        if want <= 0:
+            return
+        want = min(want, BATCH)
+        # Copying down makes no hole: any settled, unpinned page will do, leaves or not.
+        picked = self._orders[HBM].victims(want, copyable, 4 * want + 64)
+        copies: list[PageRec] = []
+        for rec in picked:
+            if not self._admission.admit(rec, DRAM, 0, self._tau.tau[DRAM]):
+                continue
+            slot = self.alloc(DRAM)
+            if slot is None:
+                break
+            rec.dram_slot = slot
+            self._busy(rec, _EVICTING)  # readable from HBM while the copy runs
+            copies.append(rec)
+        if copies:
+            self._bump("predemoted", len(copies))
+            self._submit_demotions(copies, keep=True)
+
+    def _preclean(self) -> None:
+        """Keep a reserve of clean DRAM pages (the next victims, already on NVMe) so an
+        allocation under pressure frees a slot at once instead of declining: write
+        back, without evicting, the lowest-ranked dirty pages NVMe admits."""
+        cap = self._capacity[DRAM]
+        reserve = self.dram_reserve * cap
+        want = int((reserve - len(self._clean_dram) * self._slot_bytes) // self._slot_bytes)
+        if want <= 0 or not self._nvme_enabled or self.emergency or self._write_paced():
+            return
+        want = min(want, BATCH)
+
+        other_copy = self._above_nvme_mask
+
+        def dirty(rec: PageRec) -> bool:
+            return not rec.tiers & other_copy and copyable(rec) and self._admits_nvme(rec)
+
+        # take: write_back marks every one busy, which removes it from the order.
+        picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
+        if picked:
+            self._bump("precleaned", len(picked))
+            self.write_back(picked, demote=False)
+
+    # -- write-back -----------------------------------------------------------------
+
+    def _write_paced(self) -> bool:
+        """Write-back stops queueing at one second of measured write bandwidth."""
+        queued = self._mover.in_flight_bytes(_NVME_WRITE) + self._batch_write_bytes
+        return queued > self._bandwidth["nvme_write"].rate
+
+    def write_back(self, recs: list[PageRec], *, demote: bool) -> None:
+        """DRAM -> NVMe for pages in DRAM; with ``demote`` the DRAM slot goes after."""
+        nvme_need = sum(r.nbytes for r in recs)
+        over = self._used[NVME] + self._nvme_reserved + nvme_need - self._capacity[NVME]
+        if over > 0:
+            # NVMe frees on allocation (a delete): the bytes these writes need, counted
+            # in bytes (victims smaller than a slot free less than one).
+            over = self._make_nvme_room(over)
+            while over > 0 and recs:
+                # No more room (every NVMe page pinned or in flight): the rest stays in
+                # DRAM, dirty, for a later cycle; capacity is never exceeded.
+                rec = recs.pop()
+                nvme_need -= rec.nbytes
+                over -= rec.nbytes
+                self._orders[DRAM].remove(rec)  # a victim or a take: filed again
+                self._enter_order(rec, DRAM)
+                self._bump("write:no_room")
+            if not recs:
+                return
+        self._nvme_reserved += nvme_need
+        busy = self._busy
+        for rec in recs:
+            busy(rec, _EVICTING)
+            if demote:
+                self._leave(rec, DRAM)
+        self._nvme.write(recs, self._dram, _WRITEBACK, WriteBack(recs, demote))
+
+    def _make_nvme_room(self, over: int) -> int:
+        """Delete NVMe victims until ``over`` bytes are free; the bytes still missing."""
+        for _ in range(64):
+            before = self._used[NVME]
+            batch = max(1, math.ceil(over / self._slot_bytes))
+            if not self._evict_to(NVME, None, force=True, batch=batch):
+                break
+            over -= before - self._used[NVME]
+            if over <= 0:
+                break
+        return over
+
+    # -- the disk falling behind --------------------------------------------------------
+
+    def check_emergency(self) -> None:
+        in_flight = self._mover.in_flight_bytes(_NVME_WRITE)
+        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
+        was = self.emergency
+        self.emergency = in_flight > limit
+        if self.emergency and not was:
+            self._bump("emergency:entered")
+            # Free clean DRAM in bulk: pages that already have their NVMe copy.
+            low = self.config.watermark_low * self._capacity[DRAM]
+            clean = [
+                rec
+                for rec in self._orders[DRAM].unordered()
+                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is _READY
+            ]
+            for rec in clean:
+                if self._used[DRAM] <= low:
+                    break
+                self._clear_tier(rec, DRAM)
+                self._bump("emergency_evictions")
+
+    def ramp_drop(self) -> bool:
+        """In an emergency, decline a rising share of new offers (1 in 2, then more)."""
+        self._emergency_offers += 1
+        in_flight = self._mover.in_flight_bytes(_NVME_WRITE)
+        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
+        over = min(in_flight / limit - 1.0, 1.0) if limit else 1.0
+        keep_every = max(1, int(1 / max(1.0 - over, 1e-3)))
+        return self._emergency_offers % keep_every != 0 or over >= 1.0
+
+    def write_over_budget(self, now: float) -> float:
+        """NVMe writes of the last minute against ``max_dwpd``'s rate (1.0: at it)."""
+        if self.config.max_dwpd is None or not self._capacity[NVME]:
+            return 0.0
+        window = self._write_window
+        while window and now - window[0][0] > 60.0:
+            window.popleft()
+        written = sum(n for _, n in window)
+        span = max(now - window[0][0], 1.0) if window else 1.0
+        budget = self.config.max_dwpd * self._capacity[NVME] / 86400.0
+        return (written / span) / budget if budget > 0 else 0.0
+
+    # -- completions ------------------------------------------------------------------
+
+    def demote_done(self, ticket: Ticket, recs: list[PageRec], keep: bool) -> None:
+        for rec in recs:
+            if ticket.error is not None:
+                self._dram.free(rec.dram_slot)
+                rec.dram_slot = -1
+                self._settle(rec)
+                self._stay(rec, HBM)
+                self._enter_order(rec, HBM)
+                continue
+            # The new tier first, then settle: settling first would file the page in
+            # HBM's order only for set_tier to move it to the clean list (a stale
+            # entry). The orders' ranks come out the same either way.
+            self._set_tier(rec, DRAM)
+            self._settle(rec)
+            if keep:
+                continue  # now clean in HBM: freed at once when a slot is wanted
+            if rec.pins == 0 and not rec.waiters:
+                self._clear_tier(rec, HBM)
+            else:
+                self._stay(rec, HBM)  # a load still reading the HBM slot keeps it
+            if rec.waiters:
+                self.fire_waiters(rec, ok=True)
+
+    def write_done(self, ticket: Ticket, recs: list[PageRec], demote: bool) -> None:
+        results = ticket.results
+        now = self._now()
+        window_kept = self.config.max_dwpd is not None
+        for index, rec in enumerate(recs):
+            stored = ticket.error is None and results is not None and results[index]
+            self._nvme_reserved -= rec.nbytes
+            if stored:
+                self.nvme_written[0] += 1
+                self.nvme_written[1] += rec.nbytes
+                if window_kept:  # read only against a DWPD budget
+                    self._write_window.append((now, rec.nbytes))
+                # Before settling, as in demote_done: a page that turns clean goes
+                # to the clean list without a stop in DRAM's order.
+                self._set_tier(rec, NVME)
+                if rec.retained:
+                    with contextlib.suppress(KVStoreError):
+                        self._nvme.retain(rec.key)
+            else:
+                self._bump("write_failures")
+            self._settle(rec)
+            if demote and rec.pins == 0 and not rec.waiters and rec.in_tier(DRAM):
+                self._clear_tier(rec, DRAM)
+                if not stored:
+                    self._bump("evict:dram:write_failed")
+                    self._forget_if_gone(rec)
+            elif demote:
+                self._stay(rec, DRAM)
+            if rec.waiters:
+                self.fire_waiters(rec, ok=True)
+
+
+def _no_waiters(rec: PageRec, **_: object) -> None:
+    raise AssertionError("Eviction.fire_waiters is set by the manager")
+
+
+_EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
+# PageRec.resident_children[tier], one slot per tier
+_RESIDENT_CHILDREN = tuple(operator.attrgetter(f"resident_{name}") for name in TIER_NAMES)
+
+
+def _freeable(rec: PageRec) -> bool:
+    """A clean copy that can go at once: no pin, no waiter, no copy in flight."""
+    return not rec.pins and not rec.waiters and rec.state is _READY
+
+
+def copyable(rec: PageRec) -> bool:
+    """A page whose bytes may be copied to a lower tier now (cleaning, not evicting)."""
+    return not rec.pins and not rec.waiters and rec.state is _READY

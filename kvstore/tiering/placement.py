@@ -1,0 +1,260 @@
+"""Placement: where a freshly computed page goes, and its copy there.
+
+``Placement`` runs an offer's pages in order (docs/tiering.md, "Placement" and
+"Admission"): a page already resident is "present" (and, with owned HBM, kept in HBM
+again); a child of a declined or absent parent is declined (no holes in a prefix);
+the rest is admitted by value density into HBM (owned), else DRAM, else declined,
+and copied there as one ticket per path. When the copy lands the page is readable;
+with write-through (or retained) its DRAM copy is also written back at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.tiering.config import TierConfig
+from kvstore.tiering.copies import Copies
+from kvstore.tiering.evict import Eviction
+from kvstore.tiering.loads import Loads
+from kvstore.tiering.mover import Path, Ticket
+from kvstore.tiering.pages import DRAM, HBM, NVME, PageRec, PageState
+from kvstore.tiering.results import OfferResult, ReleaseHandle, RequestContext
+from kvstore.tiering.state import TierState
+from kvstore.tiering.value import Valuation
+
+__all__ = ["Placement"]
+
+_READY, _WRITING = PageState.READY, PageState.WRITING
+_D2D, _D2H = Path.D2D, Path.D2H
+
+
+class Placement:
+    """Offers: admission, the new page's slot, its copy in, and what follows it."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        state: TierState,
+        value: Valuation,
+        *,
+        eviction: Eviction,
+        loads: Loads,
+        copies: Copies,
+        nvme_enabled: bool,
+        now: Callable[[], float],
+        pump: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self._state = state
+        self._pages = state.pages
+        self._owned_hbm = state.owned_hbm
+        self._counters = state.counters
+        self._bump = state.bump
+        self._set_tier = state.set_tier
+        self._clear_tier = state.clear_tier
+        self._child_created = state.child_created
+        self._busy = state.busy
+        self._settle = state.settle
+        self._forget_if_gone = state.forget_if_gone
+        self._touch = state.touch
+        self._reuse = value.reuse
+        self._admission = value.admission
+        self._tau = value.tau
+        self._admits_nvme = value.admits_nvme
+        self._eviction = eviction
+        self._alloc = eviction.alloc
+        self._loads = loads
+        self._copies = copies
+        self._nvme_enabled = nvme_enabled
+        self._now = now
+        self._pump = pump
+
+    def offer(
+        self,
+        key_bytes: list[bytes],
+        parent_keys: list[bytes | None],
+        views: list[Any],
+        nbytes: list[int],
+        ctx: RequestContext,
+        event: Any,
+    ) -> OfferResult:
+        """Place checked pages (``TierManager.offer`` checks and converts the inputs)."""
+        count = len(key_bytes)
+        tiers_out: list[int | None] = [None] * count
+        reasons = ["declined"] * count
+        eviction = self._eviction
+        if count > eviction.burst_pages:
+            eviction.burst_pages = count
+        now = self._now()
+        pages = self._pages
+        placed: set[bytes] = set()
+        declined: set[bytes] = set()
+        copies: dict[Path, list[tuple[PageRec, Any, int]]] = {}
+        engine_hbm = self.config.hbm == "engine"
+        touched: list[PageRec] = []
+        tag = ctx.tag
+        reuse_access = self._reuse.access_offer
+        tokens_per_page = self.config.tokens_per_page
+        first_at: dict[bytes, int] = {}
+        for i in range(count):
+            key = key_bytes[i]
+            first = first_at.setdefault(key, i)
+            if first != i:
+                # A key repeated in one offer is one page: the first decides.
+                tiers_out[i] = tiers_out[first]
+                reasons[i] = f"duplicate of keys[{first}]"
+                continue
+            parent = parent_keys[i]
+            rec = pages.get(key)
+            parent_rec = pages.get(parent) if parent is not None else None
+            # ReuseEstimator.access_offer with the depth the page has or would have
+            if rec is not None:
+                seen, counted = reuse_access(key, rec.depth, tag)
+                if seen > 1:
+                    rec.reused = True
+            else:
+                depth = parent_rec.depth + 1 if parent_rec is not None else 0
+                seen, counted = reuse_access(key, depth, tag)
+            if rec is not None and rec.tiers:
+                if counted:
+                    touched.append(rec)
+                if engine_hbm and not rec.in_tier(HBM):
+                    self._set_tier(rec, HBM)
+                elif (
+                    self._owned_hbm
+                    and not rec.tiers & 1
+                    and rec.state is _READY
+                    and nbytes[i] == rec.nbytes
+                ):
+                    # The engine holds it in HBM again (it loaded or recomputed
+                    # it): keep that copy too, as its GPU prefix cache would.
+                    slot = self._alloc(HBM)
+                    if slot is not None:
+                        rec.hbm_slot = slot
+                        copies.setdefault(_D2D, []).append((rec, views[i], HBM))
+                        self._bump("promotions:hbm")
+                tiers_out[i] = rec.top_tier()
+                reasons[i] = "present"
+                placed.add(key)
+                continue
+            if parent is not None and parent in declined:
+                reasons[i] = "parent declined"
+                declined.add(key)
+                continue
+            if (
+                parent is not None
+                and parent not in placed
+                and (parent_rec is None or not parent_rec.tiers)
+            ):
+                reasons[i] = "orphan: parent not resident"
+                declined.add(key)
+                self._bump("admission:orphan")
+                continue
+            if eviction.emergency and eviction.ramp_drop():
+                reasons[i] = "emergency: NVMe write queue saturated"
+                declined.add(key)
+                continue
+            depth = parent_rec.depth + 1 if parent_rec is not None else 0
+            if rec is None:
+                rec = PageRec(key, parent, depth, tokens_per_page, nbytes[i], now)
+                rec.tag = tag
+                pages[key] = rec
+                if parent_rec is not None:
+                    if parent_rec.children == 1:
+                        self._child_created(parent_rec)
+                    else:
+                        parent_rec.children += 1  # child_created: no branch yet
+            else:
+                rec.nbytes = nbytes[i]
+                rec.cost_ratio = -1.0
+            rec.deadline_s = ctx.deadline_s
+            rec.last_access_s = now
+            tier, reason = self._place_new(rec, seen)
+            reasons[i] = reason
+            if tier is None:
+                declined.add(key)
+                self._forget_if_gone(rec)
+                continue
+            tiers_out[i] = HBM if engine_hbm else tier
+            placed.add(key)
+            if engine_hbm:
+                self._set_tier(rec, HBM)
+            if tier == HBM:
+                copies.setdefault(_D2D, []).append((rec, views[i], HBM))
+            elif tier == DRAM:
+                copies.setdefault(_D2H, []).append((rec, views[i], DRAM))
+        tickets = [self._copy_in(p, items, event) for p, items in copies.items()]
+        for rec in reversed(touched):  # the prefix after its new tail: newest of all
+            self._touch(rec, now, ctx.deadline_s)
+        event_out = tickets[-1].event if tickets else None
+        release = ReleaseHandle(lambda: all(t.done() for t in tickets), self._pump, event_out)
+        return OfferResult(tuple(tiers_out), tuple(reasons), release)
+
+    def _place_new(self, rec: PageRec, seen: int) -> tuple[int | None, str]:
+        """Where a newly offered page goes; allocates its slot. (tier, reason)."""
+        admit = self._admission.admit
+        tau = self._tau.tau
+        counters = self._counters
+        if self._owned_hbm:
+            # Admission.admit takes every page into HBM (the engine just computed it)
+            slot = self._alloc(HBM)
+            if slot is not None:
+                rec.hbm_slot = slot
+                counters["admission:hbm:admitted"] = counters.get("admission:hbm:admitted", 0) + 1
+                return HBM, "admitted"
+        ok_dram = admit(rec, DRAM, seen, tau[DRAM])
+        if not ok_dram and self.config.hbm == "engine":
+            # The engine holds it in HBM; DRAM stages it for NVMe if NVMe wants it.
+            ok_dram = self._nvme_enabled and admit(rec, NVME, seen, tau[NVME])
+        if not ok_dram:
+            self._bump("admission:dram:below_tau")
+            return None, "declined: value density below tau"
+        slot = self._alloc(DRAM)
+        if slot is None:
+            self._bump("admission:dram:full")
+            return None, "declined: DRAM full (every page pinned or in flight)"
+        rec.dram_slot = slot
+        counters["admission:dram:admitted"] = counters.get("admission:dram:admitted", 0) + 1
+        return DRAM, "admitted"
+
+    def _copy_in(self, path: Path, items: list[tuple[PageRec, Any, int]], event: Any) -> Ticket:
+        """One ticket copying an offer's pages on ``path`` into their slots."""
+        recs: list[PageRec] = []
+        srcs: list[Any] = []
+        set_tier = self._set_tier
+        tier = items[0][2]  # one tier per path: D2D into HBM, D2H into DRAM
+        for rec, src, item_tier in reversed(items):  # the chain's tail enters oldest
+            assert item_tier == tier
+            if rec.tiers and rec.state is _READY:
+                self._busy(rec, _WRITING)
+            else:
+                rec.state = _WRITING  # busy: in no order yet
+            set_tier(rec, tier)
+            recs.append(rec)
+            srcs.append(src)
+        return self._copies.offer(path, tier, recs, srcs, event)
+
+    def offer_done(self, ticket: Ticket, recs: list[PageRec], tier: int) -> None:
+        write_through = []
+        for rec in recs:
+            if rec.state is not _WRITING:
+                continue
+            if ticket.error is not None:
+                self._settle(rec)
+                self._clear_tier(rec, tier)
+                self._bump("offer_failures")
+                self._forget_if_gone(rec)
+                continue
+            self._settle(rec)
+            if tier == HBM and rec.tiers & 2 and not rec.pins and not rec.waiters:
+                # Back in HBM: HBM and DRAM hold a page exclusively (its NVMe copy,
+                # if any, stays). The clean reserve makes its own DRAM copies.
+                self._clear_tier(rec, DRAM)
+            through = self.config.placement == "write_through" or rec.retained
+            if self._nvme_enabled and tier == DRAM and through and self._admits_nvme(rec):
+                write_through.append(rec)
+            if rec.waiters:
+                self._loads.fire_waiters(rec, ok=True)
+        if write_through:
+            self._eviction.write_back(write_through, demote=False)

@@ -1,0 +1,91 @@
+"""What a page is worth, and where: the reuse estimate, the value density, admission and τ.
+
+``Valuation`` holds the tier manager's judgement of pages (docs/tiering.md,
+"Admission" and "Eviction"): the reuse estimator (ghost entries per class), the
+admission rule with its thresholds τ per tier (``TauController``), Φ's cost term, and
+the value density with its recompute and transfer times cached until a bandwidth fit
+or ``observe_prefill`` moves them. NVMe admission is decided once per admission epoch
+(τ's period, and each change of the κ gates) per page. State under the manager's lock.
+"""
+
+from __future__ import annotations
+
+from kvstore.tiering.config import TierConfig
+from kvstore.tiering.cost import Compute, CostModel
+from kvstore.tiering.pages import NVME, PageRec
+from kvstore.tiering.policy import Admission, ReuseEstimator, TauController
+
+__all__ = ["Valuation"]
+
+
+class Valuation:
+    """The reuse estimate, admission and τ, and the cached value densities."""
+
+    def __init__(
+        self, config: TierConfig, cost: CostModel, compute: Compute, slot_bytes: int
+    ) -> None:
+        self.config = config
+        self.cost = cost
+        self._compute = compute
+        mode, threshold = config.admission_mode
+        self.reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
+        self.admission = Admission(mode, threshold, self.value_density)
+        self.tau = TauController(config.tau_initial, pressure=config.tau_pressure)
+        self.admit_epoch = 0  # bumped with every τ update: cached admissions expire
+        self._cost_ratios: dict[int, float] = {}  # by depth; a ratio, so C_eff cancels
+        self._base_recompute_per_byte = cost.recompute_s(config.tokens_per_page) / slot_bytes
+        # (compute rate, recompute s by depth, transfer s by tier); reset by the fits.
+        self._vd_cache: tuple[float, dict[int, float], list[float]] | None = None
+
+    def invalidate(self) -> None:
+        """A bandwidth fit or the compute rate moved: value densities are computed anew."""
+        self._vd_cache = None
+
+    def cost_ratio(self, rec: PageRec) -> float:
+        """Φ's cost term: recompute time per byte against a full root page's. A full
+        page's ratio depends on its depth alone: it is kept on the record too, where
+        the orders read it without calling here (``offer`` resets it with ``nbytes``)."""
+        config = self.config
+        if rec.tokens == config.tokens_per_page and rec.nbytes == config.page_bytes:
+            ratio = self._cost_ratios.get(rec.depth)
+            if ratio is None:
+                ratio = self._cost_ratios[rec.depth] = self._compute_cost_ratio(rec)
+            rec.cost_ratio = ratio
+            return ratio
+        return self._compute_cost_ratio(rec)
+
+    def _compute_cost_ratio(self, rec: PageRec) -> float:
+        per_byte = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens) / max(rec.nbytes, 1)
+        return per_byte / self._base_recompute_per_byte if self._base_recompute_per_byte else 1.0
+
+    def value_density(self, rec: PageRec, tier: int) -> float:
+        """The value density (``value_formula``; docs/tiering.md, "Admission") with the
+        recompute time per depth and the transfer time per tier cached (for full
+        pages) until a fit or ``observe_prefill`` moves them."""
+        p = self.reuse.p(rec.depth, rec.reused, rec.tag)
+        nbytes = rec.nbytes
+        formula = self.config.value_formula
+        if nbytes != self.config.page_bytes or rec.tokens != self.config.tokens_per_page:
+            return self.cost.value_density(p, rec.depth, nbytes, tier, formula)
+        cache = self._vd_cache
+        if cache is None or cache[0] != self._compute.flops_per_s:
+            cache = self._vd_cache = (self._compute.flops_per_s, {}, [-1.0, -1.0, -1.0])
+        transfer = cache[2]
+        if transfer[tier] < 0:
+            transfer[tier] = self.cost.transfer_s(tier, nbytes)
+        recompute = cache[1].get(rec.depth)
+        if recompute is None:
+            tokens = rec.tokens
+            recompute = cache[1][rec.depth] = self.cost.recompute_s(tokens, rec.depth * tokens)
+        if formula == "expected":
+            return p * (recompute - transfer[tier]) / nbytes
+        return (p * recompute - transfer[tier]) / nbytes
+
+    def admits_nvme(self, rec: PageRec) -> bool:
+        """NVMe admission, decided once per admission epoch (τ's period) per page."""
+        if rec.admit_epoch == self.admit_epoch:
+            return rec.admit_nvme
+        ok = self.admission.admit(rec, NVME, self.reuse.seen(rec.key), self.tau.tau[NVME])
+        rec.admit_epoch = self.admit_epoch
+        rec.admit_nvme = ok
+        return ok
