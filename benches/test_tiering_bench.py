@@ -1,7 +1,8 @@
 """Micro-benchmarks of the tier manager's hot paths: lookup, offer, the load plan, a
 DRAM load. Each also asserts what it computed, so a broken path fails here rather
-than reporting a fast wrong answer. ``tools/bench_tiering.py`` has the same
-measurements beside their references and targets (docs/benchmarks.md).
+than reporting a fast wrong answer. The managers are kvstore/bench/tiering.py's, whose
+measurements ``tools/bench_tiering.py`` sets beside their references and targets
+(docs/benchmarks.md).
 
     .venv/bin/pytest benches/test_tiering_bench.py --benchmark-only
 """
@@ -16,34 +17,20 @@ import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from kvstore.tiering import LookupState, ModelCost, TierConfig, TierManager
-
-MIB = 1 << 20
-PREFIX = 128
-# 128 KiB of K and V per token (Llama-3.1-8B): a page of 8 tokens is 1 MiB.
-MODEL = ModelCost(8.03e9, 32, 32, 128, 128 << 10)
+from kvstore.bench.common import MIB
+from kvstore.bench.tiering import PREFIX_PAGES as PREFIX
+from kvstore.bench.tiering import chain as chain_of
+from kvstore.bench.tiering import fake_config, load_config
+from kvstore.tiering import LookupState, TierManager
 
 
 def fake_manager(dram_pages: int) -> TierManager:
     """The fake mover: no bytes move, what is timed is the manager's bookkeeping."""
-    return TierManager.open(
-        TierConfig(
-            mover="fake",
-            control_interval_s=0,
-            probe_at_open=False,
-            nvme_bytes=1 << 50,
-            hbm_bytes=0,
-            dram_bytes=dram_pages * MIB,
-            page_bytes=MIB,
-            tokens_per_page=8,
-            model=MODEL,
-            admission="all",
-        )
-    )
+    return TierManager.open(fake_config(dram_pages))
 
 
 def chain(prefix: str) -> list[bytes]:
-    return [f"{prefix}/{i:05d}".encode() for i in range(PREFIX)]
+    return chain_of(prefix, PREFIX)
 
 
 @pytest.fixture
@@ -108,16 +95,7 @@ def test_offer_128_page_chain(benchmark: BenchmarkFixture, full: bool) -> None:
 def test_dram_load_16_pages_cpu_mover(benchmark: BenchmarkFixture) -> None:
     """lookup -> prepare_load -> wait -> complete_load of 16 MiB resident in DRAM."""
     pages = 16
-    config = TierConfig(
-        hbm_bytes=0,
-        dram_bytes=(pages + 8) * MIB,
-        page_bytes=MIB,
-        tokens_per_page=8,
-        model=MODEL,
-        compute_flops=1e9,
-        admission="all",
-        probe_at_open=False,
-    )
+    config = load_config(pages, MIB)  # recomputing is made slow: the plan loads
     generator = torch.Generator().manual_seed(3)
     sources = [torch.randint(0, 256, (MIB,), dtype=torch.uint8, generator=generator)]
     sources *= pages  # one random page, offered under 16 keys

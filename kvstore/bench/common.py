@@ -276,6 +276,7 @@ def code_version() -> dict[str, object]:
         return done.stdout.strip()
 
     return {
+        "package_dir": str(package),
         "git_head": git("rev-parse", "--short", "HEAD"),
         "git_subject": git("log", "-1", "--format=%s"),
         "kvstore_dirty": bool(git("status", "--porcelain", "--", "kvstore")),

@@ -40,6 +40,8 @@ SAME_LAYER = {
     ("lifecycle", "store"),
     ("store", "lifecycle"),
     ("testing", "tiering"),  # the tier manager's kill -9 harness (testing/tier_crash.py)
+    ("bench", "tiering"),  # the tier manager's costs (bench/tiering.py)
+    ("bench", "gpu"),  # the HBM path's check and bandwidth (bench/gpu_check.py)
 }
 # (file, imported package): why. Only shrinks.
 IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {}  # none left (the CLIs share clikit)
