@@ -62,9 +62,12 @@ from typing import IO, Any, cast
 from kvstore.errors import KVStoreError
 
 __all__ = [
+    "ALL_KINDS",
     "DEFAULT_BLOCK_TOKENS",
+    "DEFAULT_REQUESTS",
     "GENERATOR_KINDS",
     "PACKAGED_TRACES",
+    "SERVING_KINDS",
     "Request",
     "TraceError",
     "TraceFacts",
@@ -76,7 +79,27 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK_TOKENS = 512
+# The four kinds the default policy was tuned on; what each generates for a seed is
+# fixed (tools/sim_identity.py fingerprints the manager's decisions on them).
 GENERATOR_KINDS = ("system-prompts", "multi-turn", "long-docs", "mixed")
+# What serving looks like now (docs/tiering.md, "Workloads"): agent sessions, RAG,
+# scans mixed into both, long-prompt mixes.
+SERVING_KINDS = ("agent", "rag", "scans", "long-prompts")
+ALL_KINDS = GENERATOR_KINDS + SERVING_KINDS
+# Requests per kind when none is given: each trace is ~100k-300k block accesses
+# (a few seconds of replay) for the new kinds; the first four keep their 2,000.
+DEFAULT_REQUESTS: dict[str, int] = {
+    "system-prompts": 2000,
+    "multi-turn": 2000,
+    "long-docs": 2000,
+    "mixed": 2000,
+    "agent": 2000,
+    "rag": 5000,
+    "scans": 3000,
+    "long-prompts": 2000,
+}
+# Long prompts are 10k-100k tokens (docs/tiering.md, "Workloads").
+LONG_PROMPT_TOKENS = (10_000, 100_000)
 _MAX_COUNT = 2**53  # token counts: floats hold every integer below it
 # Bytes that are not UTF-8, as the "surrogateescape" error handler decodes them.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
@@ -357,9 +380,14 @@ _Draft = tuple[int, tuple[_Content, ...], int]
 
 
 def generate(
-    kind: str, *, seed: int, requests: int = 2000, block_tokens: int = DEFAULT_BLOCK_TOKENS
+    kind: str,
+    *,
+    seed: int,
+    requests: int | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> list[Request]:
-    """A synthetic trace of ``requests`` requests, the same for the same arguments.
+    """A synthetic trace of ``requests`` requests (``DEFAULT_REQUESTS[kind]`` if None),
+    the same for the same arguments.
 
     ``system-prompts``: a few shared system prompts, Zipf popularity, each
     followed by a short unique user message. ``multi-turn``: chat sessions
@@ -367,9 +395,21 @@ def generate(
     between turns, sessions interleaved, Poisson session arrivals.
     ``long-docs``: mostly one-off long documents, plus a small reused core of
     reference documents. ``mixed``: the three interleaved on one clock.
+
+    ``agent``: agent sessions on a few large shared tool-definition prefixes (Zipf
+    popularity), many turns a few seconds apart, each appending a tool call and its
+    output to a growing context, some turns backtracking (the last blocks dropped,
+    the session going on differently). ``rag``: a document of a large corpus (Zipf
+    popularity) after one of a few system prompts, then the question. ``scans``:
+    agent sessions and RAG with one-off long documents, never seen again, mixed in.
+    ``long-prompts``: prompts of 10k-100k tokens, most never reused, a minority
+    re-read over minutes by later turns or by other users, their popularity fading
+    as new ones arrive. docs/tiering.md, "Workloads", has the numbers.
     """
-    if kind not in GENERATOR_KINDS:
-        raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(GENERATOR_KINDS)}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(ALL_KINDS)}")
+    if requests is None:
+        requests = DEFAULT_REQUESTS[kind]
     if requests < 0:
         raise ValueError(f"requests must be >= 0, got {requests}")
     if block_tokens < 1:
@@ -382,8 +422,16 @@ def generate(
         drafts = _multi_turn(rng, requests)
     elif kind == "long-docs":
         drafts = _long_docs(rng, requests)
-    else:
+    elif kind == "mixed":
         drafts = _mixed(rng, requests)
+    elif kind == "agent":
+        drafts = _agent(rng, requests)
+    elif kind == "rag":
+        drafts = _rag(rng, requests)
+    elif kind == "scans":
+        drafts = _scans(rng, requests)
+    else:
+        drafts = _long_prompts(rng, requests, block_tokens)
     return _assign_ids(rng, drafts, block_tokens)
 
 
@@ -472,6 +520,170 @@ def _mixed(rng: random.Random, requests: int) -> list[_Draft]:
     )
     docs = _long_docs(random.Random(rng.random()), n_docs, "mixed-ld", max(n_docs, 1) / duration_s)
     return list(heapq.merge(prompts, turns, docs, key=lambda draft: draft[0]))
+
+
+# -- what serving looks like now (docs/tiering.md, "Workloads") ---------------------
+
+
+def _agent(
+    rng: random.Random, requests: int, tag: str = "ag", session_gap_s: float = 12.0
+) -> list[_Draft]:
+    """Agent sessions on one clock (a heap of (next turn time, session), as in
+    ``_multi_turn``).
+
+    Six tool-definition/system prefixes of 8-32 blocks (4k-16k tokens at 512 a
+    block), Zipf(1.2) popularity. A session opens with a task of 1-3 blocks and runs
+    4 + Exp(mean 16) turns, each 1 + Exp(mean 3) s after the previous one (the tool
+    runs, the model answers), until its context passes 256 blocks. A turn's request
+    is the prefix and the whole context; then the context grows by the tool call and
+    its output (1 + 0-6 blocks), or, one turn in eight, first drops its last 1-8
+    blocks (a backtrack: the agent abandons a path and continues differently).
+    """
+    prefixes = [tuple((tag, "tools", p, i) for i in range(rng.randint(8, 32))) for p in range(6)]
+    pick = _zipf_picker(rng, len(prefixes), 1.2)
+    arrivals = _poisson_arrivals(rng, 1.0 / session_gap_s)
+    # (at ms, session, prefix, context, turns left, the task's blocks)
+    pending: list[tuple[int, int, int, tuple[_Content, ...], int, int]] = []
+    sessions = itertools.count()
+    drafts: list[_Draft] = []
+    next_start = next(arrivals)
+    while len(drafts) < requests:
+        if not pending or next_start <= pending[0][0]:
+            session = next(sessions)
+            task = tuple((tag, session, "task", j) for j in range(rng.randint(1, 3)))
+            turns = 4 + int(rng.expovariate(1 / 16))
+            heapq.heappush(pending, (next_start, session, next(pick), task, turns, len(task)))
+            next_start = next(arrivals)
+            continue
+        at_ms, session, prefix, context, turns_left, task_blocks = heapq.heappop(pending)
+        blocks = prefixes[prefix] + context
+        drafts.append((at_ms, blocks, rng.randint(20, 400)))
+        if turns_left <= 1 or len(blocks) > 256:
+            continue
+        turn = len(drafts)
+        if rng.random() < 0.125 and len(context) > task_blocks:
+            context = context[: -rng.randint(1, min(8, len(context) - task_blocks))]
+        output = rng.choice((0, 0, 1, 1, 2, 2, 3, 4, 6))
+        context += tuple((tag, session, turn, j) for j in range(1 + output))
+        gap_ms = round((1.0 + rng.expovariate(1 / 3.0)) * 1000.0)
+        heapq.heappush(
+            pending, (at_ms + gap_ms, session, prefix, context, turns_left - 1, task_blocks)
+        )
+    return drafts
+
+
+def _rag(
+    rng: random.Random, requests: int, tag: str = "rag", rate_per_s: float = 4.0
+) -> list[_Draft]:
+    """Poisson arrivals; each request is one of three system prompts (2-6 blocks,
+    Zipf(1.0)), one document of a 20,000-document corpus (4-32 blocks, 2k-16k
+    tokens; Zipf(1.0) over the corpus) and a question of 1-2 blocks."""
+    prompts = [tuple((tag, "system", p, i) for i in range(rng.randint(2, 6))) for p in range(3)]
+    pick_prompt = _zipf_picker(rng, len(prompts), 1.0)
+    lengths = [rng.randint(4, 32) for _ in range(20_000)]
+    pick_doc = _zipf_picker(rng, len(lengths), 1.0)
+    arrivals = _poisson_arrivals(rng, rate_per_s)
+    drafts: list[_Draft] = []
+    for n in range(requests):
+        doc = next(pick_doc)
+        blocks = (
+            prompts[next(pick_prompt)]
+            + tuple((tag, "doc", doc, i) for i in range(lengths[doc]))
+            + tuple((tag, "question", n, j) for j in range(rng.randint(1, 2)))
+        )
+        drafts.append((next(arrivals), blocks, rng.randint(50, 400)))
+    return drafts
+
+
+def _scans(rng: random.Random, requests: int) -> list[_Draft]:
+    """Agent sessions (40% of requests), RAG (45%) and scans (15%) on one clock: a
+    scan is a one-off document of 48-192 blocks (24k-98k tokens) that shares no
+    block with anything (it is never seen again). The sessions set the duration
+    (half as many as in ``agent``), the others arrive at the rates that fill it."""
+    n_agent, n_rag = requests * 40 // 100, requests * 45 // 100
+    n_scans = requests - n_agent - n_rag
+    agent = _agent(random.Random(rng.random()), n_agent, "scans-ag", session_gap_s=24.0)
+    duration_s = max(1.0, agent[-1][0] / 1000.0) if agent else 1.0
+    rag = _rag(random.Random(rng.random()), n_rag, "scans-rag", max(n_rag, 1) / duration_s)
+    scan_rng = random.Random(rng.random())
+    arrivals = _poisson_arrivals(scan_rng, max(n_scans, 1) / duration_s)
+    scans: list[_Draft] = []
+    for n in range(n_scans):
+        blocks = tuple(("scan", n, i) for i in range(scan_rng.randint(48, 192)))
+        scans.append((next(arrivals), blocks, scan_rng.randint(50, 400)))
+    return list(heapq.merge(agent, rag, scans, key=lambda draft: draft[0]))
+
+
+def _long_prompt_blocks(block_tokens: int) -> tuple[int, int]:
+    """The fewest and most blocks of a prompt of 10k-100k tokens: ``_assign_ids``
+    fills the last block partly, so n blocks are (n-1)*block_tokens+1 to
+    n*block_tokens tokens."""
+    low_tokens, high_tokens = LONG_PROMPT_TOKENS
+    low = -(-(low_tokens - 1) // block_tokens) + 1
+    high = high_tokens // block_tokens
+    if low + 8 > high:
+        raise ValueError(
+            f"long-prompts needs prompts of {low_tokens:,}-{high_tokens:,} tokens; "
+            f"block_tokens={block_tokens} leaves too few blocks between them "
+            f"(use block_tokens <= {(high_tokens - low_tokens) // 10})"
+        )
+    return low, high
+
+
+@dataclass(slots=True)
+class _Context:
+    """A long prompt that is re-read: its blocks, birth, end of interest, weight."""
+
+    blocks: tuple[_Content, ...]
+    born_s: float
+    until_s: float
+    weight: float
+
+
+def _long_prompts(
+    rng: random.Random,
+    requests: int,
+    block_tokens: int,
+    tag: str = "lp",
+    rate_per_s: float = 0.8,
+) -> list[_Draft]:
+    """Poisson arrivals of prompts of 10k-100k tokens (log-uniform length).
+
+    70% of requests are new prompts, 30% re-read a live one. A new prompt is
+    re-readable with probability 1/4 (so most are never reused): it lives
+    30 s + Exp(mean 240 s) and has a Pareto(1.5) weight that fades with
+    e-folding time 120 s, so popularity drifts to what arrived lately. A re-read
+    picks a live prompt by weight; half are the same user's next turn (the
+    prompt grows by 1-4 blocks for good), half another user's question on it
+    (1-2 blocks of their own). No request leaves 10k-100k tokens.
+    """
+    low, high = _long_prompt_blocks(block_tokens)
+    log_low, log_high = math.log(low), math.log(high - 6 + 1)
+    arrivals = _poisson_arrivals(rng, rate_per_s)
+    live: list[_Context] = []
+    drafts: list[_Draft] = []
+    for n in range(requests):
+        at_ms = next(arrivals)
+        now_s = at_ms / 1000.0
+        live = [c for c in live if c.until_s > now_s]
+        if live and rng.random() < 0.3:
+            weights = [c.weight * math.exp((c.born_s - now_s) / 120.0) for c in live]
+            context = rng.choices(live, weights)[0]
+            grow = rng.randint(1, 4)
+            if rng.random() < 0.5 and len(context.blocks) + grow + 2 <= high:
+                context.blocks += tuple((tag, "turn", n, j) for j in range(grow))
+                blocks = context.blocks
+            else:
+                asks = rng.randint(1, 2)
+                blocks = context.blocks + tuple((tag, "ask", n, j) for j in range(asks))
+        else:
+            length = min(high - 6, max(low, int(math.exp(rng.uniform(log_low, log_high)))))
+            blocks = tuple((tag, "prompt", n, i) for i in range(length))
+            if rng.random() < 0.25:
+                until_s = now_s + 30.0 + rng.expovariate(1 / 240.0)
+                live.append(_Context(blocks, now_s, until_s, rng.paretovariate(1.5)))
+        drafts.append((at_ms, blocks, rng.randint(50, 800)))
+    return drafts
 
 
 def _assign_ids(rng: random.Random, drafts: list[_Draft], block_tokens: int) -> list[Request]:
