@@ -16,7 +16,9 @@ from kvstore.tiering.arena import Arena, SlotPool, VirtualSlots
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.copies import Copies, SimulatedCopies
 from kvstore.tiering.cost import Bandwidth, make_bandwidths
-from kvstore.tiering.mover import FakeMover, Mover, Path, VirtualClock, make_mover
+from kvstore.tiering.fake_mover import FakeMover, VirtualClock
+from kvstore.tiering.mover import make_mover
+from kvstore.tiering.mover_api import Mover, Path
 from kvstore.tiering.nvme import NvmeTier, open_nvme
 
 __all__ = ["Backends", "open_backends"]

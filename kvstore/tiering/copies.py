@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstore.tiering.arena import SlotPool
 from kvstore.tiering.completions import Demotion, Load, OfferCopy
-from kvstore.tiering.mover import Mover, Path, Priority, Ticket
+from kvstore.tiering.mover_api import Mover, Path, Priority, Ticket
 from kvstore.tiering.pages import HBM, PageRec
 from kvstore.tiering.results import LoadHandle
 

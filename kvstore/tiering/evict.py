@@ -24,7 +24,7 @@ from kvstore.tiering.config import TierConfig
 from kvstore.tiering.copies import Copies
 from kvstore.tiering.cost import Bandwidth
 from kvstore.tiering.measure import Measurements
-from kvstore.tiering.mover import Mover, Path, Priority, Ticket
+from kvstore.tiering.mover_api import Mover, Path, Priority, Ticket
 from kvstore.tiering.nvme import NvmeTier
 from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
 from kvstore.tiering.state import TierState

@@ -20,7 +20,7 @@ from kvstore.tiering.config import TierConfig
 from kvstore.tiering.copies import Copies
 from kvstore.tiering.cost import Bandwidth, CostModel
 from kvstore.tiering.evict import Eviction
-from kvstore.tiering.mover import Path, Priority, Ticket
+from kvstore.tiering.mover_api import Path, Priority, Ticket
 from kvstore.tiering.nvme import NvmeTier
 from kvstore.tiering.pages import DRAM, HBM, NVME, PageRec, PageState, page_key
 from kvstore.tiering.results import LoadHandle, LoadPlan, LookupResult, LookupState, RequestContext

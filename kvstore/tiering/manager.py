@@ -26,27 +26,26 @@ by the store on every read (R5): a failed read drops the page, never serves it.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvstore.errors import ClosedError, IOFailure, KVStoreError
+from kvstore.errors import ClosedError
 from kvstore.inputs import key_bytes as store_key
-from kvstore.log.regular import read_regular
 from kvstore.tiering.backends import open_backends
 from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, WriteBack
 from kvstore.tiering.config import TierConfig
-from kvstore.tiering.cost import LOAD_PATHS, Compute, CostModel, class_priors
+from kvstore.tiering.cost import Compute, CostModel, class_priors
 from kvstore.tiering.evict import Eviction
 from kvstore.tiering.loads import Loads
 from kvstore.tiering.measure import Measurements
-from kvstore.tiering.mover import Path, Ticket
+from kvstore.tiering.mover_api import Path, Ticket
 from kvstore.tiering.nvme import META_TAG
-from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageState, page_key
+from kvstore.tiering.pages import DRAM, HBM, NVME, PageState, page_key
 from kvstore.tiering.placement import Placement
+from kvstore.tiering.restart import Restart
 from kvstore.tiering.results import (
     UNBOUNDED_BYTES,
     LoadHandle,
@@ -61,9 +60,6 @@ from kvstore.tiering.state import TierState
 from kvstore.tiering.statsfile import (
     STATS_FILE,
     STATS_VERSION,
-    parse_for_manager,
-    snapshot,
-    write_stats_file,
 )
 from kvstore.tiering.value import Valuation
 
@@ -116,7 +112,7 @@ class TierManager:
         self._nvme = backends.nvme
         self._slot_bytes = slot
         self._owned_hbm = owned_hbm
-        self._stats_path = self._nvme.stats_path
+        self._stats_path = self._nvme.stats_path  # None: no statistics file
         nvme = self._nvme
         nvme_bytes = nvme.capacity if nvme.capacity is not None else UNBOUNDED_BYTES
         capacity = [
@@ -194,15 +190,26 @@ class TierManager:
             pump=self._pump,
         )
         self._copies = backends.copies
-        self._stats_error: str | None = None
+        self._restart = Restart(
+            config,
+            state,
+            self._value,
+            nvme=nvme,
+            loads=self._loads,
+            eviction=self._evict,
+            cost=self.cost,
+            bandwidth=self._bandwidth,
+            compute=self._compute,
+            now=self._now,
+        )
+        # The statistics file's save, under its name of old (tests and harnesses).
+        self._stats_snapshot = self._restart.snapshot
+        self._write_stats = self._restart.write
         self._last_error: str | None = None
-        # Saves run outside the state lock (step and close): one at a time, or two
-        # writers would share the temporary file.
-        self._stats_write_lock = threading.Lock()
         try:
             if nvme.store is not None:
-                self._rebuild_from_nvme()
-                self._load_stats()
+                self._restart.rebuild()
+                self._restart.load()
             if config.probe_at_open:
                 self._measure.calibrate(r for r in self._pages.values() if r.tiers & 4)
                 self._value.invalidate()
@@ -602,42 +609,7 @@ class TierManager:
             if rec is None:
                 seen = self._reuse.seen(raw)
                 return f"page {raw!r}: not resident (seen {seen} time(s) recently)"
-            now = self._now()
-            lines = [repr(rec)]
-            p = self._reuse.p(rec.depth, rec.reused, rec.tag)
-            rec_s = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens)
-            lines.append(
-                f"  depth {rec.depth}, {rec.tokens} tokens, {rec.nbytes} bytes; "
-                f"recompute {rec_s * 1e3:.3f} ms; p(reuse) {p:.3f} "
-                f"(class depth~{rec.depth}, reused={rec.reused}, tag={rec.tag!r})"
-            )
-            for tier in range(3):
-                xfer = self.cost.transfer_s(tier, rec.nbytes)
-                vd = self._value.value_density(rec, tier)
-                kappa = rec_s / xfer if xfer > 0 else math.inf
-                admits = self._value.admission.admit(rec, tier, 0, self._tau.tau[tier])
-                lines.append(
-                    f"  {TIER_NAMES[tier]:>4}: load {xfer * 1e3:.3f} ms, kappa {kappa:.2f}, "
-                    f"VD {vd:.3e} s/B vs tau {self._tau.tau[tier]:.3e} -> "
-                    f"{'admit' if admits else 'decline'}"
-                    f"{'  (resident)' if rec.in_tier(tier) else ''}"
-                )
-                tier_kappa = self.cost.kappa(tier, self.config.page_bytes)
-                if tier and self._capacity[tier] and tier_kappa < 1.0:
-                    paths = ", ".join(
-                        f"{p} {self._bandwidth[p].rate / 1e6:.1f} MB/s" for p in LOAD_PATHS[tier]
-                    )
-                    lines.append(
-                        f"        {TIER_NAMES[tier]} not in use: loading a page is measured "
-                        f"slower than recomputing it (kappa {tier_kappa:.3g} < 1: {paths}, "
-                        f"C_eff {self._compute.flops_per_s:.3g} FLOP/s); probes re-measure it"
-                    )
-            lines.append(
-                f"  last access {now - rec.last_access_s:.3f} s ago, decayed hits "
-                f"{rec.hits:.2f}, pins {rec.pins}, retained {rec.retained}, "
-                f"demoted {max(now - rec.demoted_at_s, 0):.3f} s ago"
-            )
-            return "\n".join(lines)
+            return self._value.explain(rec, self._now(), self._capacity, self._bandwidth)
 
     # -- completions ---------------------------------------------------------------
 
@@ -695,101 +667,6 @@ class TierManager:
                 row[i] += 1
         row[-2] += seconds
         row[-1] += 1
-
-    # -- restart and statistics --------------------------------------------------------
-
-    def _rebuild_from_nvme(self) -> None:
-        """The prefix forest from the NVMe pages' parent links."""
-        found = self._nvme.rebuild(self._now(), self.config.tokens_per_page)
-        for rec in found:
-            self._pages[rec.key] = rec
-        for rec in found:
-            self._state.set_tier(rec, NVME)
-            parent_rec = self._pages.get(rec.parent) if rec.parent is not None else None
-            if parent_rec is not None:
-                self._state.child_created(parent_rec)
-        self._bump("restart:pages_rebuilt", len(found))
-
-    def _load_stats(self) -> None:
-        """The persisted statistics, all or nothing. Statistics are a cache: a file that
-        fails any check (torn, garbage, a rate of 0, a short list) is treated as absent
-        and costs warm-up, never the open, a half-applied state or a later raise."""
-        path = self._stats_path
-        if path is None:
-            return
-        try:
-            raw = read_regular(path)  # O_NONBLOCK, regular files only: a FIFO never blocks
-        except FileNotFoundError:
-            return
-        except (OSError, KVStoreError) as e:
-            self._bump("restart:stats_unreadable")
-            self._stats_error = f"{path}: {e}"
-            return
-        try:
-            parsed = parse_for_manager(json.loads(raw), str(path))
-        except (OSError, ValueError, RecursionError, KVStoreError) as e:
-            self._bump("restart:stats_unreadable")
-            self._stats_error = f"{path}: {e}"
-            return
-        self._reuse.load_json(parsed.reuse)
-        self._tau.load_json(parsed.tau)
-        for name, (rate, latency_s) in parsed.bandwidth.items():
-            # A path the configuration sets is the operator's number, not a seed.
-            if name in self._bandwidth and name not in self.config.bandwidth_bytes_per_s:
-                self._bandwidth[name].set(rate, latency_s)
-        if self.config.compute_flops is None:  # a configured C_eff is the operator's
-            self._compute.flops_per_s = parsed.compute_flops
-        now = self._now()
-        heat = []
-        for key, hits, age_s in parsed.heat:
-            rec = self._pages.get(key)
-            if rec is None:
-                continue
-            rec.hits = hits
-            rec.last_access_s = now - age_s
-            rec.reused = rec.hits >= 1
-            for tier in range(3):
-                if rec.in_tier(tier):
-                    self._orders[tier].touch(rec)
-            heat.append(rec)
-        if self.config.warm_dram_on_open:
-            heat.sort(key=lambda r: -r.hits)
-            self._loads.warm.extend(r.key for r in heat)
-        self._bump("restart:stats_loaded")
-
-    def _stats_snapshot(self) -> dict[str, Any]:
-        now = self._now()
-        hottest = sorted(self._pages.values(), key=lambda r: -r.hits)[:_HEAT_PAGES]
-        return snapshot(
-            reuse=self._reuse.to_json(),
-            tau=self._tau.to_json(),
-            bandwidth={p: b.to_json() for p, b in self._bandwidth.items()},
-            compute_flops=self._compute.flops_per_s,
-            heat=[[r.key.hex(), r.hits, max(now - r.last_access_s, 0.0)] for r in hottest],
-            summary={
-                "pages_by_tier": list(self._state.count),
-                "used_bytes": list(self._state.used),
-                "capacity_bytes": list(self._capacity),
-                "hits_by_tier": list(self._loads.hits),
-                "misses": self._loads.misses,
-                "lookups": self._loads.lookups,
-                "nvme_pages_written": self._evict.nvme_written[0],
-                "nvme_bytes_written": self._evict.nvme_written[1],
-                "counters": dict(self._counters),
-                "kappa": [self.cost.kappa(t, self.config.page_bytes) for t in range(3)],
-            },
-        )
-
-    def _write_stats(self, data: dict[str, Any]) -> None:
-        path = self._stats_path
-        if path is None:
-            return
-        try:
-            with self._stats_write_lock:
-                write_stats_file(path, data)
-        except (OSError, IOFailure) as e:
-            self._bump("stats:save_failures")
-            self._stats_error = f"{path}: {e}"
 
     def _update_gates(self) -> None:
         if self._measure.update_gates():

@@ -22,7 +22,7 @@ from kvstore.errors import KVStoreError
 from kvstore.tiering.completions import Probe
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import LOAD_PATHS, Bandwidth, Compute, CostModel
-from kvstore.tiering.mover import Mover, Path, Priority, Ticket
+from kvstore.tiering.mover_api import Mover, Path, Priority, Ticket
 from kvstore.tiering.pages import DRAM, NVME, TIER_NAMES, PageRec, PageState
 from kvstore.tiering.policy import EvictionOrder
 

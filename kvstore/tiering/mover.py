@@ -3,7 +3,8 @@
 The tier manager decides *what* moves; the mover moves it, off the caller's
 thread, and reports each job as a ``Ticket`` that the manager's control thread
 harvests with ``poll()`` (rule R6: completions are processed before any
-eviction decision). Three implementations share one interface:
+eviction decision). Three implementations share one interface
+(``mover_api.Mover``); the first two are here:
 
 ``CPUMover``   two daemon threads, each with its own priority queue: a copy
                thread (``kvstore-tier-copy``) for tensor copies and an I/O thread
@@ -14,7 +15,7 @@ eviction decision). Three implementations share one interface:
                engine waits for does not queue behind prefetches. Every copy
                records a pooled event; ``done()`` is ``event.query()``. NVMe jobs
                (and host-to-host copies) run on the same threads as ``CPUMover``.
-``FakeMover``  moves nothing. Each path is a serial server with a latency and
+``FakeMover``  (fake_mover.py) moves nothing. Each path is a serial server with a latency and
                a bandwidth on a ``VirtualClock``; the simulator replays traces
                with it. Single-threaded by contract.
 
@@ -38,342 +39,46 @@ less. ``done()`` stays True.
 
 from __future__ import annotations
 
-import abc
-import enum
 import heapq
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ClosedError
 from kvstore.tiering._torch import require_torch
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     import torch
 
     from kvstore.store import KVStore
+from kvstore.tiering.mover_api import (
+    COPY_PATHS,
+    DONE,
+    RUNNING,
+    Mover,
+    Path,
+    Priority,
+    Ticket,
+    check_copy_path,
+    copy_nbytes,
+    real_pairs,
+    real_store,
+    tensor_nbytes,
+)
 
 __all__ = [
     "COPY_PATHS",
     "CPUMover",
     "CUDAMover",
-    "FakeMover",
     "Mover",
     "Path",
     "Priority",
     "Ticket",
-    "VirtualClock",
     "make_mover",
 ]
-
-
-class Path(enum.Enum):
-    """Where bytes move: between HBM (device) and DRAM (host), or to and from NVMe."""
-
-    D2H = "d2h"
-    H2D = "h2d"
-    D2D = "d2d"
-    H2H = "h2h"
-    NVME_READ = "nvme_read"
-    NVME_WRITE = "nvme_write"
-
-    # Members are singletons, so identity is equality; the C-level identity hash makes
-    # the per-path dict lookups on the hot path (millions in a simulation) cheap,
-    # where Enum's own __hash__ is a Python call.
-    __hash__ = object.__hash__
-
-
-COPY_PATHS = frozenset({Path.D2H, Path.H2D, Path.D2D, Path.H2H})
-
-
-class Priority(enum.IntEnum):
-    """Job priority; lower runs first (docs/tiering.md, "The mover and the ordering rules")."""
-
-    DEMAND = 0
-    PREFETCH = 1
-    WRITEBACK = 2
-    BACKGROUND = 3
-
-
-_QUEUED = 0
-_RUNNING = 1
-_DONE = 2
-
-
-class Ticket:
-    """One submitted job; created by a mover, owned by whoever submitted it.
-
-    Times are on the mover's clock (``mover.now()``). ``results`` is per page for
-    NVMe jobs (bytes read or stored, None for a miss or a failure) and None for
-    copies. ``moved_bytes`` is what actually moved (a read's misses move
-    nothing; a failed job moved nothing usable): the figure a bandwidth fit
-    wants, where ``nbytes`` is what was asked for. ``event`` is the CUDA event
-    recorded after a ``CUDAMover`` copy, None otherwise.
-
-    For a ``FakeMover`` ticket ``started_s`` and ``finished_s`` are the
-    scheduled times, known at submit; ``done()`` tells whether the virtual clock
-    has reached ``finished_s``.
-    """
-
-    __slots__ = (
-        "_elapsed_s",
-        "_owner",
-        "_start_event",
-        "_state",
-        "error",
-        "event",
-        "finished_s",
-        "moved_bytes",
-        "nbytes",
-        "path",
-        "priority",
-        "results",
-        "started_s",
-        "submitted_s",
-        "tag",
-    )
-
-    def __init__(
-        self,
-        owner: Mover,
-        path: Path,
-        nbytes: int,
-        priority: Priority,
-        tag: object,
-        submitted_s: float,
-        started_s: float | None = None,
-        finished_s: float | None = None,
-        results: list[int | None] | None = None,
-    ) -> None:
-        self._owner = owner
-        self.path = path
-        self.nbytes = nbytes
-        self.priority = priority
-        self.tag = tag
-        self.submitted_s = submitted_s
-        self.started_s = started_s
-        self.finished_s = finished_s
-        self.error: BaseException | None = None
-        self.results = results
-        self.event: Any = None
-        self.moved_bytes = 0
-        self._state = _QUEUED
-        self._elapsed_s: float | None = None
-        self._start_event: Any = None
-
-    def done(self) -> bool:
-        """Whether the job has finished (successfully or not)."""
-        return self._owner._ticket_done(self)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until done or ``timeout`` seconds passed; True when done.
-
-        Never raises the job's error: that is in ``error``. A ``FakeMover``
-        ticket does not block (its clock is virtual): this is ``done()``.
-        """
-        return self._owner._ticket_wait(self, timeout)
-
-    def seconds(self) -> float | None:
-        """How long the move took: the device's own timing where there is one, else
-        ``finished_s - started_s``; None until known."""
-        if self._elapsed_s is not None:
-            return self._elapsed_s
-        if self.started_s is None or self.finished_s is None:
-            return None
-        return self.finished_s - self.started_s
-
-    def __repr__(self) -> str:
-        state = ("queued", "running", "done")[self._state]
-        return (
-            f"Ticket({self.path.value}, {self.nbytes} B, {self.priority.name}, {state}"
-            f"{', error' if self.error is not None else ''})"
-        )
-
-
-def _copy_nbytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The bytes a list of ``(src, dst)`` copies moves; ValueError on a pair that cannot copy.
-
-    Runs on the caller's thread for every pair of every copy (a load of 64 pages
-    checks 64), so the common case reads three attributes per tensor; the
-    checks that name the problem run only once a pair has failed.
-    """
-    total = 0
-    for src, dst in pairs:
-        nbytes = src.nbytes
-        if src.dtype is not dst.dtype or src.dim() != 1 or dst.dim() != 1 or dst.nbytes < nbytes:
-            _refuse_pair(src, dst)
-        total += nbytes
-    return total
-
-
-def _refuse_pair(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Raise the ValueError that says why ``(src, dst)`` cannot copy."""
-    if src.dim() != 1 or dst.dim() != 1:
-        raise ValueError(
-            "copy pairs must be 1-D byte views (e.g. kvstore.gpu._tensors.byte_view), "
-            f"got shapes {tuple(src.shape)} and {tuple(dst.shape)}"
-        )
-    if src.dtype != dst.dtype:
-        raise ValueError(f"copy pair dtypes differ: {src.dtype} -> {dst.dtype}")
-    raise ValueError(f"copy destination holds {dst.numel()} elements; the source has {src.numel()}")
-
-
-def _check_copy_path(path: Path) -> None:
-    if path not in COPY_PATHS:
-        raise ValueError(f"{path} is not a copy path; NVMe moves are nvme_read / nvme_write")
-
-
-def _tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _real_store(store: KVStore | None) -> KVStore:
-    if store is None:
-        raise ValueError(
-            "a real mover needs the store to read from or write to (None is FakeMover's)"
-        )
-    return store
-
-
-def _real_pairs(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None, nbytes: int | None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The pairs a real mover copies, as a snapshot list (the caller may reuse its own)."""
-    if nbytes is not None:
-        raise ValueError("a real mover copies the pairs' bytes; nbytes= is FakeMover's")
-    return [] if pairs is None else list(pairs)
-
-
-class Mover(abc.ABC):
-    """The interface the tier manager programs against, and the in-flight bookkeeping.
-
-    ``in_flight_bytes`` counts bytes of jobs submitted and not yet complete (for
-    ``FakeMover``: whose finish the virtual clock has not reached).
-    """
-
-    def __init__(self) -> None:
-        self._in_flight: dict[Path, int] = dict.fromkeys(Path, 0)
-        self._closed = False
-        self._completion_count = 0
-
-    @abc.abstractmethod
-    def copy(
-        self,
-        path: Path,
-        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
-        *,
-        priority: Priority,
-        tag: object = None,
-        wait_event: object | None = None,
-        nbytes: int | None = None,
-    ) -> Ticket:
-        """Copy ``src`` into ``dst[: src.numel()]`` for every ``(src, dst)`` pair (byte views).
-
-        ``nbytes`` is for ``FakeMover`` (which takes no tensors); a real mover
-        moves the pairs' bytes and refuses it.
-        """
-
-    @abc.abstractmethod
-    def nvme_read(
-        self,
-        store: KVStore | None,
-        keys: Sequence[bytes],
-        dsts: Sequence[torch.Tensor] | None,
-        *,
-        priority: Priority,
-        tag: object = None,
-        sizes: Sequence[int | None] | None = None,
-    ) -> Ticket:
-        """Read ``keys[i]`` into the CPU byte view ``dsts[i]`` (``store.get_many_into``).
-
-        ``results[i]``: the bytes read, None for a miss. A failed read sets
-        ``error`` and leaves every result None. ``store=None``, ``dsts=None`` and
-        ``sizes`` are for ``FakeMover``; a real mover refuses them.
-        """
-
-    @abc.abstractmethod
-    def nvme_write(
-        self,
-        store: KVStore | None,
-        items: Sequence[tuple[bytes, torch.Tensor | None, Mapping[str, Any] | None]],
-        *,
-        priority: Priority,
-        tag: object = None,
-        sizes: Sequence[int | None] | None = None,
-    ) -> Ticket:
-        """Store ``(key, CPU byte view, meta)`` items (``store.put_many``).
-
-        ``results[i]``: the bytes stored, None when not stored (declined or
-        failed). After an I/O error some pages of the batch may be in the store
-        all the same; their results are None (not known to be stored), and the
-        store's index stays the authority. The tensors' bytes must not change
-        until the ticket is done. ``store=None``, tensors of None and ``sizes``
-        are for ``FakeMover``; a real mover refuses them.
-        """
-
-    @abc.abstractmethod
-    def poll(self) -> list[Ticket]:
-        """Tickets completed since the last poll, in completion order; never blocks."""
-
-    @abc.abstractmethod
-    def now(self) -> float:
-        """The mover's clock, in seconds."""
-
-    def completions(self) -> int:
-        """How many tickets have completed so far: the ``since`` of ``wait_completed``."""
-        return self._completion_count
-
-    def idle(self) -> None:
-        """A caller with nothing to do until a ticket lands waits a moment."""
-        time.sleep(0.0002)
-
-    @abc.abstractmethod
-    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
-        """Block until a ticket completes, or ``timeout_s`` passed; True when one did.
-
-        With ``since`` (a ``completions()`` count read earlier): until the count
-        has moved past it, so a completion that another thread has already
-        polled in between still wakes the caller. Without: until ``poll()`` has
-        a ticket to return. A caller waiting for a load sleeps here rather than
-        in ``time.sleep``: it wakes when the copy lands, not up to one sleep
-        later, and does not wake at all while nothing lands. ``FakeMover`` never
-        blocks (its clock is virtual).
-        """
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Finish or cancel queued work and stop the mover's threads; idempotent."""
-
-    @abc.abstractmethod
-    def _ticket_done(self, ticket: Ticket) -> bool: ...
-
-    @abc.abstractmethod
-    def _ticket_wait(self, ticket: Ticket, timeout: float | None) -> bool: ...
-
-    def in_flight_bytes(self, path: Path | None = None) -> int:
-        """Bytes submitted and not yet complete, on ``path`` or on all paths."""
-        if path is None:
-            return sum(self._in_flight.values())
-        return self._in_flight[path]
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-# -- threaded movers ---------------------------------------------------------
 
 _Job = Callable[[Ticket], None]
 
@@ -481,7 +186,7 @@ class _ThreadedMover(Mover):
         tag: object,
         wait_event: object | None,
     ) -> Ticket:
-        nbytes = _copy_nbytes(pairs)
+        nbytes = copy_nbytes(pairs)
 
         def job(ticket: Ticket) -> None:
             if wait_event is not None:
@@ -504,7 +209,7 @@ class _ThreadedMover(Mover):
         tag: object = None,
         sizes: Sequence[int | None] | None = None,
     ) -> Ticket:
-        store = _real_store(store)
+        store = real_store(store)
         if dsts is None or sizes is not None:
             raise ValueError("a real mover reads into dsts (CPU byte views); sizes= is FakeMover's")
         keys = list(keys)
@@ -512,7 +217,7 @@ class _ThreadedMover(Mover):
             raise ValueError(f"{len(keys)} keys but {len(dsts)} destinations")
         # numpy views share the tensors' memory: the store reads straight into the slots.
         arrays = [dst.numpy() for dst in dsts]
-        nbytes = sum(_tensor_nbytes(dst) for dst in dsts)
+        nbytes = sum(tensor_nbytes(dst) for dst in dsts)
         count = len(keys)
 
         def job(ticket: Ticket) -> None:
@@ -541,7 +246,7 @@ class _ThreadedMover(Mover):
         tag: object = None,
         sizes: Sequence[int | None] | None = None,
     ) -> Ticket:
-        store = _real_store(store)
+        store = real_store(store)
         if sizes is not None:
             raise ValueError("a real mover writes the items' tensors; sizes= is FakeMover's")
         prepared = []
@@ -579,7 +284,7 @@ class _ThreadedMover(Mover):
 
     def _run_job(self, ticket: Ticket, job: _Job) -> None:
         """Run one job on a worker thread; whatever it raises ends up in the ticket."""
-        ticket._state = _RUNNING
+        ticket._state = RUNNING
         ticket.started_s = time.monotonic()
         try:
             job(ticket)
@@ -591,7 +296,7 @@ class _ThreadedMover(Mover):
             self._complete_locked(ticket)
 
     def _complete_locked(self, ticket: Ticket) -> None:
-        ticket._state = _DONE
+        ticket._state = DONE
         self._in_flight[ticket.path] -= ticket.nbytes
         self._completed.append(ticket)
         self._completion_count += 1
@@ -615,13 +320,13 @@ class _ThreadedMover(Mover):
         return self._completion_count != since
 
     def _ticket_done(self, ticket: Ticket) -> bool:
-        return ticket._state == _DONE
+        return ticket._state == DONE
 
     def _ticket_wait(self, ticket: Ticket, timeout: float | None) -> bool:
-        if ticket._state == _DONE:
+        if ticket._state == DONE:
             return True
         with self._done_cond:
-            return self._done_cond.wait_for(lambda: ticket._state == _DONE, timeout)
+            return self._done_cond.wait_for(lambda: ticket._state == DONE, timeout)
 
     # -- close ----------------------------------------------------------------
 
@@ -668,8 +373,8 @@ class CPUMover(_ThreadedMover):
         wait_event: object | None = None,
         nbytes: int | None = None,
     ) -> Ticket:
-        _check_copy_path(path)
-        return self._submit_host_copy(path, _real_pairs(pairs, nbytes), priority, tag, wait_event)
+        check_copy_path(path)
+        return self._submit_host_copy(path, real_pairs(pairs, nbytes), priority, tag, wait_event)
 
 
 # -- CUDA -----------------------------------------------------------------------
@@ -743,15 +448,15 @@ class CUDAMover(_ThreadedMover):
         wait_event: object | None = None,
         nbytes: int | None = None,
     ) -> Ticket:
-        _check_copy_path(path)
-        pairs = _real_pairs(pairs, nbytes)
+        check_copy_path(path)
+        pairs = real_pairs(pairs, nbytes)
         if path is Path.H2H:
             return self._submit_host_copy(path, pairs, priority, tag, wait_event)
-        nbytes = _copy_nbytes(pairs)
+        nbytes = copy_nbytes(pairs)
         stream = self._stream_for(path, priority)
         ticket = Ticket(self, path, nbytes, priority, tag, time.monotonic())
         ticket.started_s = ticket.submitted_s
-        ticket._state = _RUNNING
+        ticket._state = RUNNING
         # Enqueueing under the lock keeps each lane in the order of its stream's events.
         with self._lock:
             if self._closed:
@@ -791,7 +496,7 @@ class CUDAMover(_ThreadedMover):
         for lane in self._lanes.values():
             while lane:
                 ticket = lane[0]
-                if ticket._state != _DONE:
+                if ticket._state != DONE:
                     if not ticket.event.query():
                         break
                     self._finish_cuda_locked(ticket)
@@ -826,10 +531,10 @@ class CUDAMover(_ThreadedMover):
                 return True
 
     def _ticket_done(self, ticket: Ticket) -> bool:
-        if ticket._state == _DONE:
+        if ticket._state == DONE:
             return True
         with self._lock:
-            if ticket._state == _DONE:
+            if ticket._state == DONE:
                 return True
             if ticket._start_event is None:
                 return False  # a job on a worker thread, not finished yet
@@ -840,7 +545,7 @@ class CUDAMover(_ThreadedMover):
 
     def _ticket_wait(self, ticket: Ticket, timeout: float | None) -> bool:
         with self._lock:
-            event = ticket.event if ticket._state != _DONE else None
+            event = ticket.event if ticket._state != DONE else None
             is_cuda = ticket._start_event is not None
         if not is_cuda:
             return super()._ticket_wait(ticket, timeout)
@@ -861,271 +566,6 @@ class CUDAMover(_ThreadedMover):
             stream.synchronize()
         with self._lock:
             self._settle_lanes_locked()
-
-
-# -- the fake mover ---------------------------------------------------------------
-
-
-class VirtualClock:
-    """A settable, monotone clock for simulation: ``now()``, ``advance(dt)``, ``set(t)``."""
-
-    __slots__ = ("_now",)
-
-    def __init__(self, start_s: float = 0.0) -> None:
-        self._now = float(start_s)
-
-    def now(self) -> float:
-        return self._now
-
-    def advance(self, dt: float) -> None:
-        """Move the clock forward by ``dt`` seconds (ValueError if ``dt`` < 0)."""
-        if dt < 0:
-            raise ValueError(f"a virtual clock does not go backwards (advance by {dt})")
-        self._now += dt
-
-    def set(self, t: float) -> None:
-        """Move the clock to ``t`` (ValueError if ``t`` is before now)."""
-        if t < self._now:
-            raise ValueError(f"a virtual clock does not go backwards ({t} < {self._now})")
-        self._now = float(t)
-
-
-class _Server:
-    """One path of the fake mover: a serial server with a latency and a bandwidth."""
-
-    __slots__ = ("bandwidth", "busy_until_s", "latency_s")
-
-    def __init__(self, bandwidth: float, latency_s: float) -> None:
-        self.bandwidth = bandwidth
-        self.latency_s = latency_s
-        self.busy_until_s = float("-inf")
-
-
-class FakeMover(Mover):
-    """Moves no bytes; schedules every job on a per-path serial server in virtual time.
-
-    A job on ``path`` starts at ``max(now, busy_until[path])`` and finishes
-    ``latency_s[path] + nbytes / bandwidth_bytes_per_s[path]`` later; jobs on one
-    path run one after another in submission order (priority does not reorder
-    them), jobs on different paths overlap. A path with no bandwidth cannot be
-    used (ValueError at submit); a missing latency is 0.
-
-    Sizes come from the tensors when given, else from ``nbytes=`` (copy) and
-    ``sizes=`` (NVMe; a None size is a page that is missing: 0 bytes moved,
-    result None). ``results`` are the sizes.
-
-    Single-threaded by contract: the simulator drives the clock and calls the
-    mover from one thread, so there are no locks here.
-    """
-
-    def __init__(
-        self,
-        bandwidth_bytes_per_s: Mapping[Path, float],
-        latency_s: Mapping[Path, float],
-        clock: VirtualClock,
-    ) -> None:
-        super().__init__()
-        unknown = set(latency_s) - set(bandwidth_bytes_per_s)
-        if unknown:
-            raise ValueError(
-                f"latency given for paths without a bandwidth: {sorted(p.value for p in unknown)}"
-            )
-        self._clock = clock
-        self._servers: dict[Path, _Server] = {}
-        for path, bandwidth in bandwidth_bytes_per_s.items():
-            self.set_path(path, bandwidth, latency_s.get(path, 0.0))
-        self._heap: list[tuple[float, int, Ticket]] = []
-        self._ready: deque[Ticket] = deque()
-        self._seq = 0
-
-    def set_path(self, path: Path, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> None:
-        """Set (or change, from now on) a path's bandwidth and latency."""
-        if not bandwidth_bytes_per_s > 0:
-            raise ValueError(f"bandwidth of {path} must be > 0, got {bandwidth_bytes_per_s}")
-        if not latency_s >= 0:
-            raise ValueError(f"latency of {path} must be >= 0, got {latency_s}")
-        server = self._servers.get(path)
-        if server is None:
-            self._servers[path] = _Server(float(bandwidth_bytes_per_s), float(latency_s))
-        else:  # the job in service keeps its schedule
-            server.bandwidth = float(bandwidth_bytes_per_s)
-            server.latency_s = float(latency_s)
-
-    @property
-    def clock(self) -> VirtualClock:
-        return self._clock
-
-    def now(self) -> float:
-        return self._clock._now
-
-    def _schedule(
-        self,
-        path: Path,
-        nbytes: int,
-        priority: Priority,
-        tag: object,
-        results: list[int | None] | None,
-    ) -> Ticket:
-        if self._closed:
-            raise ClosedError("the mover is closed")
-        server = self._servers.get(path)
-        if server is None:
-            raise ValueError(f"FakeMover has no bandwidth for {path}")
-        now = self._clock._now
-        busy = server.busy_until_s
-        start = now if now > busy else busy
-        finish = start + server.latency_s + nbytes / server.bandwidth
-        server.busy_until_s = finish
-        ticket = Ticket(self, path, nbytes, priority, tag, now, start, finish, results)
-        ticket.moved_bytes = nbytes
-        self._in_flight[path] += nbytes
-        heapq.heappush(self._heap, (finish, self._seq, ticket))
-        self._seq += 1
-        return ticket
-
-    def copy(
-        self,
-        path: Path,
-        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
-        *,
-        priority: Priority,
-        tag: object = None,
-        wait_event: object | None = None,
-        nbytes: int | None = None,
-    ) -> Ticket:
-        """Schedule a copy of ``nbytes`` (default: the pairs' sizes); ``wait_event`` is ignored."""
-        _check_copy_path(path)
-        if nbytes is None:
-            nbytes = _copy_nbytes(pairs) if pairs else 0
-        elif nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return self._schedule(path, nbytes, priority, tag, None)
-
-    def nvme_read(
-        self,
-        store: KVStore | None,
-        keys: Sequence[bytes],
-        dsts: Sequence[torch.Tensor] | None,
-        *,
-        priority: Priority,
-        tag: object = None,
-        sizes: Sequence[int | None] | None = None,
-    ) -> Ticket:
-        """Schedule a read of ``sizes`` (default: the destinations' sizes); nothing is read."""
-        results = self._sizes(len(keys), dsts, sizes)
-        return self._schedule(Path.NVME_READ, _present_total(results), priority, tag, results)
-
-    def nvme_write(
-        self,
-        store: KVStore | None,
-        items: Sequence[tuple[bytes, torch.Tensor | None, Mapping[str, Any] | None]],
-        *,
-        priority: Priority,
-        tag: object = None,
-        sizes: Sequence[int | None] | None = None,
-    ) -> Ticket:
-        """Schedule a write of ``sizes`` (default: the items' tensors' sizes); nothing is stored."""
-        if sizes is None:
-            tensors = [item[1] for item in items]
-            if any(tensor is None for tensor in tensors):
-                raise ValueError("FakeMover.nvme_write needs sizes= when items carry no tensors")
-            results: list[int | None] = [
-                _tensor_nbytes(tensor) for tensor in tensors if tensor is not None
-            ]
-        else:
-            results = self._sizes(len(items), None, sizes)
-        return self._schedule(Path.NVME_WRITE, _present_total(results), priority, tag, results)
-
-    @staticmethod
-    def _sizes(
-        count: int,
-        tensors: Sequence[torch.Tensor] | None,
-        sizes: Sequence[int | None] | None,
-    ) -> list[int | None]:
-        if sizes is None:
-            if tensors is None or len(tensors) != count:
-                raise ValueError(f"FakeMover needs sizes= or one tensor per key ({count} keys)")
-            return [_tensor_nbytes(tensor) for tensor in tensors]
-        if len(sizes) != count:
-            raise ValueError(f"{count} keys but {len(sizes)} sizes")
-        return list(sizes)
-
-    def _settle(self) -> None:
-        """Move the jobs whose finish the clock has reached from the heap to the ready list."""
-        heap = self._heap
-        now = self._clock._now
-        while heap and heap[0][0] <= now:
-            ticket = heapq.heappop(heap)[2]
-            ticket._state = _DONE
-            self._in_flight[ticket.path] -= ticket.nbytes
-            self._ready.append(ticket)
-            self._completion_count += 1
-
-    def completions(self) -> int:
-        self._settle()
-        return self._completion_count
-
-    def wait_completed(self, timeout_s: float, since: int | None = None) -> bool:
-        """Whether a ticket has completed (since ``since``); never blocks (virtual clock)."""
-        self._settle()
-        return bool(self._ready) if since is None else self._completion_count != since
-
-    def poll(self) -> list[Ticket]:
-        """Tickets whose finish is at or before now, not returned before, in finish order."""
-        self._settle()
-        done = list(self._ready)
-        self._ready.clear()
-        return done
-
-    def in_flight_bytes(self, path: Path | None = None) -> int:
-        self._settle()
-        return super().in_flight_bytes(path)
-
-    def idle(self) -> None:
-        """Nothing to do until a ticket lands: the virtual clock jumps to it."""
-        next_s = self.next_completion_s()
-        if next_s is not None and next_s > self._clock.now():
-            self._clock.set(next_s)
-
-    def next_completion_s(self) -> float | None:
-        """The finish time of the earliest ticket ``poll()`` has not returned, or None.
-
-        It may be at or before now (a completion is waiting to be polled); a
-        simulator with nothing else to do sets the clock to it and polls.
-        """
-        if self._ready:
-            return self._ready[0].finished_s
-        return self._heap[0][0] if self._heap else None
-
-    def pending(self) -> Iterator[Ticket]:
-        """Tickets not yet returned by ``poll()`` (for checks; no order promised)."""
-        yield from self._ready
-        for entry in self._heap:
-            yield entry[2]
-
-    def close(self) -> None:
-        """Refuse further jobs; scheduled ones still complete as the clock reaches them."""
-        self._closed = True
-
-    def _ticket_done(self, ticket: Ticket) -> bool:
-        finished = ticket.finished_s
-        return finished is not None and self._clock._now >= finished
-
-    def _ticket_wait(self, ticket: Ticket, timeout: float | None) -> bool:
-        return self._ticket_done(ticket)
-
-
-def _present_total(sizes: list[int | None]) -> int:
-    """The bytes of the pages that are there (a None size is a missing page)."""
-    try:
-        return sum(sizes)  # type: ignore[arg-type]  # the common case: no page missing
-    except TypeError:
-        pass
-    total = 0
-    for size in sizes:
-        if size is not None:
-            total += size
-    return total
 
 
 def make_mover(kind: str, device: str | torch.device) -> Mover:

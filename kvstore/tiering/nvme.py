@@ -20,7 +20,7 @@ from kvstore.errors import KVStoreError
 from kvstore.tiering.arena import SlotPool
 from kvstore.tiering.completions import Read, WriteBack
 from kvstore.tiering.config import TierConfig
-from kvstore.tiering.mover import Mover, Priority
+from kvstore.tiering.mover_api import Mover, Priority
 from kvstore.tiering.pages import PageRec
 from kvstore.tiering.statsfile import STATS_FILE
 

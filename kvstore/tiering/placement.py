@@ -17,7 +17,7 @@ from kvstore.tiering.config import TierConfig
 from kvstore.tiering.copies import Copies
 from kvstore.tiering.evict import Eviction
 from kvstore.tiering.loads import Loads
-from kvstore.tiering.mover import Path, Ticket
+from kvstore.tiering.mover_api import Path, Ticket
 from kvstore.tiering.pages import DRAM, HBM, NVME, PageRec, PageState
 from kvstore.tiering.results import OfferResult, ReleaseHandle, RequestContext
 from kvstore.tiering.state import TierState

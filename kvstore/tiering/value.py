@@ -10,9 +10,11 @@ or ``observe_prefill`` moves them. NVMe admission is decided once per admission 
 
 from __future__ import annotations
 
+import math
+
 from kvstore.tiering.config import TierConfig
-from kvstore.tiering.cost import Compute, CostModel
-from kvstore.tiering.pages import NVME, PageRec
+from kvstore.tiering.cost import LOAD_PATHS, Bandwidth, Compute, CostModel
+from kvstore.tiering.pages import NVME, TIER_NAMES, PageRec
 from kvstore.tiering.policy import Admission, ReuseEstimator, TauController
 
 __all__ = ["Valuation"]
@@ -89,3 +91,44 @@ class Valuation:
         rec.admit_epoch = self.admit_epoch
         rec.admit_nvme = ok
         return ok
+
+    def explain(
+        self, rec: PageRec, now: float, capacity: list[int], bandwidth: dict[str, Bandwidth]
+    ) -> str:
+        """The numbers behind the valuation of one resident page, in words."""
+        lines = [repr(rec)]
+        p = self.reuse.p(rec.depth, rec.reused, rec.tag)
+        rec_s = self.cost.recompute_s(rec.tokens, rec.depth * rec.tokens)
+        lines.append(
+            f"  depth {rec.depth}, {rec.tokens} tokens, {rec.nbytes} bytes; "
+            f"recompute {rec_s * 1e3:.3f} ms; p(reuse) {p:.3f} "
+            f"(class depth~{rec.depth}, reused={rec.reused}, tag={rec.tag!r})"
+        )
+        tau = self.tau.tau
+        for tier in range(3):
+            xfer = self.cost.transfer_s(tier, rec.nbytes)
+            vd = self.value_density(rec, tier)
+            kappa = rec_s / xfer if xfer > 0 else math.inf
+            admits = self.admission.admit(rec, tier, 0, tau[tier])
+            lines.append(
+                f"  {TIER_NAMES[tier]:>4}: load {xfer * 1e3:.3f} ms, kappa {kappa:.2f}, "
+                f"VD {vd:.3e} s/B vs tau {tau[tier]:.3e} -> "
+                f"{'admit' if admits else 'decline'}"
+                f"{'  (resident)' if rec.in_tier(tier) else ''}"
+            )
+            tier_kappa = self.cost.kappa(tier, self.config.page_bytes)
+            if tier and capacity[tier] and tier_kappa < 1.0:
+                paths = ", ".join(
+                    f"{p} {bandwidth[p].rate / 1e6:.1f} MB/s" for p in LOAD_PATHS[tier]
+                )
+                lines.append(
+                    f"        {TIER_NAMES[tier]} not in use: loading a page is measured "
+                    f"slower than recomputing it (kappa {tier_kappa:.3g} < 1: {paths}, "
+                    f"C_eff {self._compute.flops_per_s:.3g} FLOP/s); probes re-measure it"
+                )
+        lines.append(
+            f"  last access {now - rec.last_access_s:.3f} s ago, decayed hits "
+            f"{rec.hits:.2f}, pins {rec.pins}, retained {rec.retained}, "
+            f"demoted {max(now - rec.demoted_at_s, 0):.3f} s ago"
+        )
+        return "\n".join(lines)

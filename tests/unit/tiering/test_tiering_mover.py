@@ -16,15 +16,14 @@ import torch
 from kvstore import ClosedError, KVStore
 from kvstore.testing.faults import FaultInjector
 from kvstore.tiering.arena import Arena
+from kvstore.tiering.fake_mover import FakeMover, VirtualClock
 from kvstore.tiering.mover import (
     CPUMover,
     CUDAMover,
-    FakeMover,
     Mover,
     Path,
     Priority,
     Ticket,
-    VirtualClock,
     make_mover,
 )
 
