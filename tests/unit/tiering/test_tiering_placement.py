@@ -163,3 +163,26 @@ def test_a_configured_reserve_above_the_ceiling_is_never_lowered() -> None:
         assert tm._evict.dram_reserve >= 0.7 - 1e-9, tm._evict.dram_reserve
     finally:
         tm.close()
+
+
+def test_exclusive_placement_keeps_the_nvme_copy_of_a_retained_page_read_back() -> None:
+    """A retained page stays on NVMe when it is read back into DRAM under exclusive
+    placement: the simulator's NVMe tier used to drop it (a real store never did)."""
+    tm = _manager(hbm="engine", hbm_bytes=0, dram_bytes=2 * PAGE, placement="exclusive")
+    try:
+        tm.offer([b"a"], None, parents=[None])
+        _tick(tm)
+        assert tm.retain([b"a"]) == [True]
+        assert tm.drain()
+        assert NVME in _tiers(tm, b"a")
+        for key in (b"b", b"c", b"d"):  # DRAM holds two: "a" (clean) goes first
+            tm.offer([key], None, parents=[None])
+            _tick(tm)
+        assert tm.drain()
+        assert _tiers(tm, b"a") & {DRAM, NVME} == {NVME}, _tiers(tm, b"a")
+        tm.lookup([b"a"])
+        assert tm.drain()
+        _tick(tm)
+        assert _tiers(tm, b"a") & {DRAM, NVME} == {DRAM, NVME}, _tiers(tm, b"a")
+    finally:
+        tm.close()
