@@ -36,11 +36,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvstore import KVStore
-from kvstore.errors import ClosedError, KVStoreError
-from kvstore.format.constants import BLOCK_BYTES
-from kvstore.format.names import SUPERBLOCK_NAME, segment_path
-from kvstore.integrations.vllm import KVStoreTier
-from tools.vllm_tier_bench import (
+from kvstore.bench.vllm_tier import (
     chunk_bytes_for,
     chunk_key,
     kvstore_tier,
@@ -48,6 +44,10 @@ from tools.vllm_tier_bench import (
     open_manager,
     store_chunks,
 )
+from kvstore.errors import ClosedError, KVStoreError
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.names import SUPERBLOCK_NAME, segment_path
+from kvstore.integrations.vllm import KVStoreTier
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK_BYTES = 64 << 10
@@ -60,8 +60,8 @@ THREADPOOL = {"store_options": {"io_engine": "threadpool"}}
 # A fresh process: a new manager (new engine, empty CPU tier) over the same store.
 CHILD = """
 import json, sys
-from tools.vllm_tier_bench import chunk_key, kvstore_tier, load_chunks, offloading_config
-from tools.vllm_tier_bench import open_manager
+from kvstore.bench.vllm_tier import chunk_key, kvstore_tier, load_chunks, offloading_config
+from kvstore.bench.vllm_tier import open_manager
 path, count = sys.argv[1], int(sys.argv[2])
 config = offloading_config(kvstore_tier(path), chunk_bytes=64 << 10, primary_chunks=16, layers=2)
 keys = [chunk_key(i) for i in range(count)]
