@@ -66,7 +66,7 @@ from kvstore.bench.common import KIB, MIB
 from kvstore.tiering import LookupState, ModelCost, TierConfig, TierManager
 from kvstore.tiering.arena import Arena
 from kvstore.tiering.config import MODEL_PRESETS
-from kvstore.tiering.mover import Ticket
+from kvstore.tiering.mover_api import Ticket
 from kvstore.tiering.pages import PageRec
 from kvstore.tiering.sim import Machine, kvstore_config
 from kvstore.tiering.sim import run as sim_run
