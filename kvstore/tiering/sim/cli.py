@@ -3,7 +3,9 @@
 It owns the command line only: reading or generating the trace, checking the
 options, the progress bar, the table, ``--json`` and ``--plot``. The replay and
 the JSON object are ``kvstore.tiering.sim.run``'s; ``--json`` prints that object
-unchanged, so the table and the JSON never disagree.
+unchanged, so the table and the JSON never disagree. ``--suite`` runs the
+held-out suite of ``suite.py`` (docs/tiering.md, "The suite"): a table of
+pass/fail per run, ``--json``, a frontier plot per workload into ``--out DIR``.
 
 The progress bar and, with ``--json``, the table go to stderr: stdout is then
 exactly one JSON document.
@@ -11,9 +13,12 @@ exactly one JSON document.
 Exit codes (the house's, kvstore/clikit.py):
     0  success
     2  usage: a bad --capacity, --capacity-bytes, --policy, --model or machine
-       figure; TRACE and --generate both given, or neither
+       figure; TRACE and --generate both given, or neither; with --suite, a bad
+       --seeds, an option the suite does not take, a policy that is not kvstore's
     8  operational: the trace file is missing, unreadable or not a valid trace
        (the message names the line and field), --out or --plot cannot be written
+
+A suite that ran exits 0 whatever its verdicts: they are its output.
 
 With ``--json`` a failure prints ``{"error": {"type", "message"}, "exit_code"}``.
 """
@@ -26,6 +31,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from fractions import Fraction
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -47,11 +54,34 @@ from kvstore.clikit import (
 from kvstore.errors import KVStoreError
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
 from kvstore.tiering.sim.peers import POLICIES
-from kvstore.tiering.sim.plots import FrontierNote, frontier_notes, is_kvstore, plot_results
+from kvstore.tiering.sim.plots import (
+    FrontierNote,
+    frontier_notes,
+    is_kvstore,
+    plot_results,
+    plot_workload,
+)
 from kvstore.tiering.sim.replay import Machine, kvstore_config, parse_overrides, run
+from kvstore.tiering.sim.suite import (
+    HIT_SLACK,
+    SEED_SPLITS,
+    SUITE_CAPACITIES,
+    TTFT_FACTOR,
+    WRITE_FACTOR,
+    Check,
+    SuiteRun,
+    by_workload,
+    capacity_text,
+    parse_seeds,
+    run_label,
+    run_suite,
+    suite_cases,
+    summary,
+)
 from kvstore.tiering.sim.trace import (
+    ALL_KINDS,
     DEFAULT_BLOCK_TOKENS,
-    GENERATOR_KINDS,
+    DEFAULT_REQUESTS,
     Request,
     generate,
     load_trace,
@@ -64,6 +94,7 @@ __all__ = [
     "parse_capacity",
     "parse_capacity_bytes",
     "render",
+    "render_suite",
     "sim",
     "validate_policies",
 ]
@@ -182,7 +213,7 @@ def _requests(
     trace_path: Path | None,
     kind: str | None,
     seed: int,
-    count: int,
+    count: int | None,
     limit: int | None,
     block_tokens: int,
     out: Path | None,
@@ -310,6 +341,204 @@ def render(document: Mapping[str, Any], console: Console) -> None:
             console.print(escape(kvstore_verdict(note)), highlight=False)
 
 
+# -- the suite ------------------------------------------------------------------
+
+
+def _check_cell(check: Check) -> str:
+    if check.target == "ttft":
+        mine = _milliseconds(check.kvstore)
+        theirs = "-" if check.reference is None else _milliseconds(check.reference)
+    elif check.target == "hit_ratio":
+        mine = f"{check.kvstore:.4f}"
+        theirs = "-" if check.reference is None else f"{check.reference:.4f}"
+    else:
+        mine = f"{int(check.kvstore):,}"
+        theirs = "-" if check.reference is None else f"{int(check.reference):,}"
+    peer = f" {escape(check.peer)}" if check.peer else " (no peer within 0.5 pp)"
+    return f"{mine} / {theirs}{peer}"
+
+
+def _mark(passed: bool) -> str:
+    return "[green]pass[/green]" if passed else "[bold red]FAIL[/bold red]"
+
+
+def render_suite(runs: Sequence[SuiteRun], header: Mapping[str, Any], console: Console) -> None:
+    """The suite's table: a row per run and kvstore policy, each target's numbers
+    (kvstore / the peer it is held to) and pass or FAIL; then the summary."""
+    variants = {v.policy for r in runs for v in r.verdicts}
+    table = Table(title="kvstore sim --suite: kvstore against the best peer, per run")
+    table.add_column("run", no_wrap=True)
+    if len(variants) > 1:
+        table.add_column("policy", no_wrap=True)
+    table.add_column(f"TTFT p50 ms (a: <= {TTFT_FACTOR:g}x best)", justify="right")
+    table.add_column("(a)")
+    table.add_column(f"hit ratio (b: >= best - {HIT_SLACK * 100:g} pp)", justify="right")
+    table.add_column("(b)")
+    table.add_column(f"NVMe blocks written (c: <= {WRITE_FACTOR:g}x fewest near)", justify="right")
+    table.add_column("(c)")
+    table.add_column("all")
+    for r in runs:
+        for verdict in r.verdicts:
+            cells = [escape(run_label(r.workload, r.seed, r.capacity))]
+            if len(variants) > 1:
+                cells.append(escape(verdict.policy))
+            for check in verdict.checks:
+                cells += [_check_cell(check), _mark(check.passed)]
+            cells.append(_mark(verdict.passed))
+            table.add_row(*cells)
+    console.print(table)
+    totals = header["summary"]
+    by_target = totals["by_target"]
+    n = totals["verdicts"]
+    seeds = header["suite"]["seeds"]
+    console.print(
+        f"suite, seeds {seeds['split']} ({', '.join(map(str, seeds['seeds']))}): "
+        f"{totals['passed']} of {totals['runs']} runs meet all three targets; "
+        f"(a) TTFT {by_target['ttft']}/{n}, (b) hit ratio {by_target['hit_ratio']}/{n}, "
+        f"(c) NVMe writes {by_target['nvme_writes']}/{n}; {header['wall_s']:.1f} s",
+        highlight=False,
+    )
+    if seeds["split"] == "holdout":
+        console.print(
+            "held-out seeds: judge a policy on these, never tune on them "
+            '(docs/tiering.md, "The suite")',
+            highlight=False,
+        )
+
+
+def _file_name(workload: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", workload) or "trace"
+
+
+def _write_suite_outputs(runs: Sequence[SuiteRun], document: Mapping[str, Any], out: Path) -> None:
+    """suite.json and one frontier plot per workload (rows: capacities, columns: seeds)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "suite.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        for workload, group in by_workload(runs):
+            rows: dict[tuple[float, ...], list[tuple[str, Mapping[str, Any]]]] = {}
+            for r in group:
+                named = len(r.verdicts) > 1
+                failed = [
+                    f"({label}) {v.policy}" if named else f"({label})"
+                    for v in r.verdicts
+                    for label, check in zip("abc", v.checks, strict=True)
+                    if not check.passed
+                ]
+                verdict = "all three met" if not failed else "fails " + ", ".join(failed)
+                seed = "" if r.seed is None else f"seed {r.seed}, "
+                name = f"{seed}capacity {capacity_text(r.capacity)}: {verdict}"
+                rows.setdefault(r.capacity, []).append((name, r.document))
+            plot_workload(
+                f"kvstore sim --suite: {workload}",
+                list(rows.values()),
+                out / f"{_file_name(workload)}.png",
+            )
+    except OSError as e:
+        raise _OperationalError(f"cannot write to {out}: {e.strerror or e}") from e
+
+
+def _given(name: str) -> bool:
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT)
+
+
+def _run_suite_command(
+    *,
+    trace_path: Path | None,
+    limit: int | None,
+    request_count: int | None,
+    seeds_text: str | None,
+    kinds: tuple[str, ...],
+    capacity: str | None,
+    policies: tuple[str, ...],
+    jobs: int,
+    out: Path | None,
+    model_name: str,
+    model: ModelCost,
+    block_tokens: int,
+    machine: Machine,
+) -> tuple[list[SuiteRun], dict[str, Any]]:
+    for option, name in (
+        ("--generate", "kind"),
+        ("--seed", "seed"),
+        ("--capacity-bytes", "capacity_bytes"),
+        ("--plot", "plot"),
+    ):
+        if _given(name):
+            hint = {
+                "--generate": "choose kinds with --kind",
+                "--seed": "choose seeds with --seeds",
+                "--capacity-bytes": "the suite's capacities are fractions (--capacity)",
+                "--plot": "--out DIR takes the suite's plots",
+            }[option]
+            raise ValueError(f"--suite does not take {option}: {hint}")
+    if limit is not None and trace_path is None:
+        raise ValueError("--limit with --suite cuts the TRACE given; there is none")
+    split, seeds = parse_seeds(seeds_text or "tune")
+    variants = [p for p in dict.fromkeys(policies)] or ["kvstore"]
+    for name in variants:
+        if not is_kvstore(name):
+            raise ValueError(
+                f"--policy {name!r}: the suite runs every peer and judges kvstore policies; "
+                "give kvstore or kvstore:FIELD=VALUE,..."
+            )
+    validate_policies(variants, model, block_tokens, machine)
+    capacities = [parse_capacity(capacity)] if capacity is not None else list(SUITE_CAPACITIES)
+    chosen_kinds = list(dict.fromkeys(kinds)) or list(ALL_KINDS)
+    traces = [str(trace_path)] if trace_path is not None else []
+    if trace_path is not None:  # fail before hours of replay, not after
+        try:
+            load_trace(trace_path, limit=1)
+        except OSError as e:
+            raise _OperationalError(f"cannot read trace {trace_path}: {e.strerror or e}") from e
+    cases = suite_cases(
+        chosen_kinds, seeds, capacities, traces=traces, requests=request_count, limit=limit
+    )
+    total = sum(len(case.capacities) for case in cases)
+    started = time.perf_counter()
+    with progress_bar(transient=True) as progress:
+        task = progress.add_task("suite", total=total)
+
+        def on_progress(label: str, done: int) -> None:
+            progress.update(task, completed=done, description=f"suite: {label}")
+
+        runs = run_suite(
+            cases,
+            model=model,
+            block_tokens=block_tokens,
+            machine=machine,
+            variants=variants,
+            jobs=jobs,
+            progress=on_progress,
+        )
+        progress.update(task, completed=total)
+    document: dict[str, Any] = {
+        "suite": {
+            "seeds": {"split": split, "seeds": list(seeds)},
+            "seed_splits": {name: list(values) for name, values in SEED_SPLITS.items()},
+            "kinds": chosen_kinds,
+            "traces": traces,
+            "capacities": [list(c) for c in capacities],
+            "policies": variants,
+            "targets": {
+                "ttft_p50_factor": TTFT_FACTOR,
+                "hit_ratio_slack": HIT_SLACK,
+                "nvme_write_factor": WRITE_FACTOR,
+            },
+            "model": model_name,
+            "block_tokens": block_tokens,
+            "jobs": jobs,
+        },
+        "summary": summary(runs),
+        "wall_s": time.perf_counter() - started,
+        "runs": [r.to_json() for r in runs],
+    }
+    if out is not None:
+        _write_suite_outputs(runs, document, out)
+    return runs, document
+
+
 # -- the command ---------------------------------------------------------------
 
 
@@ -348,22 +577,24 @@ def _console(stderr: bool) -> Console:
 @click.option(
     "--generate",
     "kind",
-    type=click.Choice(GENERATOR_KINDS),
-    help="Replay a synthetic trace of this kind instead of TRACE.",
+    type=click.Choice(ALL_KINDS),
+    help='Replay a synthetic trace of this kind instead of TRACE (docs/tiering.md, "Workloads").',
 )
 @click.option("--seed", default=0, show_default=True, help="Seed of --generate.")
 @click.option(
     "--requests",
     "request_count",
-    default=2000,
-    show_default=True,
     type=click.IntRange(min=0),
-    help="Requests of --generate.",
+    help="Requests of --generate (and of each generated trace of --suite) [default: the "
+    "kind's: "
+    + ", ".join(f"{kind} {count:,}" for kind, count in DEFAULT_REQUESTS.items() if count != 2000)
+    + ", 2,000 the others].",
 )
 @click.option(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also save the generated trace here (Mooncake JSONL).",
+    type=click.Path(path_type=Path),
+    help="Also save the generated trace here (Mooncake JSONL). With --suite: a "
+    "directory for suite.json and a frontier plot per workload.",
 )
 @click.option("--limit", type=click.IntRange(min=0), help="Replay only the first N requests.")
 @click.option(
@@ -407,6 +638,36 @@ def _console(stderr: bool) -> Console:
     help="A policy to replay (repeatable; default: every peer model and kvstore). "
     "kvstore:FIELD=VALUE[,FIELD=VALUE] is the manager with TierConfig fields overridden.",
 )
+@click.option(
+    "--suite",
+    is_flag=True,
+    help="Run the suite: every workload kind (and TRACE, if given) x seeds x the "
+    "capacity triples " + "; ".join(capacity_text(c) for c in SUITE_CAPACITIES) + ", every "
+    "peer beside kvstore, with pass/fail on the three targets (docs/tiering.md, "
+    '"The suite").',
+)
+@click.option(
+    "--seeds",
+    "seeds_text",
+    metavar="tune|holdout|N,N,...",
+    help="Seeds of --suite: "
+    + "; ".join(f"{name} = {','.join(map(str, v))}" for name, v in SEED_SPLITS.items())
+    + " (tune on tune, judge on holdout), or a list [default: tune].",
+)
+@click.option(
+    "--kind",
+    "kinds",
+    multiple=True,
+    type=click.Choice(ALL_KINDS),
+    help="A workload kind of --suite (repeatable) [default: all].",
+)
+@click.option(
+    "--jobs",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Processes for --suite (one per workload and seed at a time).",
+)
 @click.option("--json", "as_json", is_flag=True, help="JSON on stdout; the table goes to stderr.")
 @click.option(
     "--plot",
@@ -418,7 +679,7 @@ def sim(
     trace_path: Path | None,
     kind: str | None,
     seed: int,
-    request_count: int,
+    request_count: int | None,
     out: Path | None,
     limit: int | None,
     block_tokens: int,
@@ -429,6 +690,10 @@ def sim(
     capacity: str | None,
     capacity_bytes: str | None,
     policies: tuple[str, ...],
+    suite: bool,
+    seeds_text: str | None,
+    kinds: tuple[str, ...],
+    jobs: int,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -443,10 +708,15 @@ def sim(
     accesses. The Pareto column compares hit ratio against NVMe bytes written
     (the reference models infinite and recompute stay out of it).
 
+    --suite runs every workload kind x seeds x three capacity triples and
+    prints, per run, whether kvstore meets its targets against the best peer:
+    (a) TTFT p50 <= 1.01x, (b) hit ratio within 0.5 pp, (c) NVMe blocks
+    written <= 2x the fewest of the peers with as many hits (within 0.5 pp).
+
     \b
     Exit codes:
-      0  success
-      2  a bad option (--capacity, --capacity-bytes, --policy, --model, ...)
+      0  success (a suite that ran, whatever its verdicts)
+      2  a bad option (--capacity, --capacity-bytes, --policy, --model, --seeds, ...)
       8  the trace file is missing or invalid; --out or --plot not writable
     """
     table_console = _console(stderr=as_json)
@@ -463,6 +733,38 @@ def sim(
             pcie_gbps=_MACHINE.pcie_gbps if pcie_gbps is None else pcie_gbps,
             tflops=_MACHINE.tflops if tflops is None else tflops,
         )
+        if suite:
+            runs, document = _run_suite_command(
+                trace_path=trace_path,
+                limit=limit,
+                request_count=request_count,
+                seeds_text=seeds_text,
+                kinds=kinds,
+                capacity=capacity,
+                policies=policies,
+                jobs=jobs,
+                out=out,
+                model_name=model_name,
+                model=model,
+                block_tokens=block_tokens,
+                machine=machine,
+            )
+        else:
+            for option, name in (
+                ("--seeds", "seeds_text"),
+                ("--kind", "kinds"),
+                ("--jobs", "jobs"),
+            ):
+                if _given(name):
+                    raise ValueError(f"{option} is an option of --suite")
+    if suite:
+        render_suite(runs, document, table_console)
+        if out is not None:
+            table_console.print(f"wrote {escape(str(out))}/", highlight=False)
+        if as_json:
+            sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        return
+    with _failures(as_json):
         if capacity is not None and capacity_bytes is not None:
             raise ValueError("give --capacity or --capacity-bytes, not both")
         capacity_kwargs: dict[str, Any] = {}

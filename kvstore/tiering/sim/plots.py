@@ -27,6 +27,7 @@ __all__ = [
     "is_kvstore",
     "pareto_frontier",
     "plot_results",
+    "plot_workload",
 ]
 
 REFERENCE_POLICIES = frozenset({"infinite", "recompute"})
@@ -160,6 +161,51 @@ def plot_results(document: Mapping[str, Any], path: str | os.PathLike[str]) -> N
         )
         figure.tight_layout()
         figure.savefig(os.fspath(path), format="png", dpi=100)
+    finally:
+        plt.close(figure)
+
+
+def plot_workload(
+    title: str,
+    panels: Sequence[Sequence[tuple[str, Mapping[str, Any]]]],
+    path: str | os.PathLike[str],
+) -> None:
+    """Write a PNG of one workload of ``kvstore sim --suite`` to ``path``: a grid of
+    the frontier scatters of ``plot_results`` (hit ratio against NVMe bytes written,
+    the peers' Pareto staircase, kvstore as red stars), one panel per run.
+
+    ``panels`` is rows of (panel title, run document); the suite gives a row per
+    capacity triple and a column per seed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [list(row) for row in panels if row]
+    if not rows:
+        raise ValueError("plot_workload needs at least one run")
+    columns = max(len(row) for row in rows)
+    figure, axes = plt.subplots(
+        len(rows), columns, figsize=(6.5 * columns, 4.6 * len(rows)), squeeze=False
+    )
+    try:
+        for i, row in enumerate(rows):
+            for c in range(columns):
+                axis = axes[i][c]
+                if c >= len(row):
+                    axis.set_visible(False)
+                    continue
+                name, document = row[c]
+                results: list[Mapping[str, Any]] = list(document["results"])
+                notes = {note.policy: note for note in frontier_notes(results)}
+                largest = max((x["nvme_bytes_written"] for x in results), default=0)
+                scale, unit = _byte_unit(largest)
+                _draw_scatter(axis, results, notes, scale, unit, float(document["max_hit_ratio"]))
+                axis.set_title(name, fontsize=9)
+        figure.suptitle(title, fontsize=11)
+        figure.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.45 / figure.get_figheight()))
+        figure.savefig(os.fspath(path), format="png", dpi=80)
     finally:
         plt.close(figure)
 

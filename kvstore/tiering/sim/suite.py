@@ -1,0 +1,382 @@
+"""``kvstore sim --suite``: every workload kind × seeds × capacity triples, judged.
+
+Each run replays one trace at one capacity triple through every peer model and
+the kvstore policy (or the variants given), then judges kvstore against the
+peers on three targets (docs/tiering.md, "The suite"):
+
+- (a) TTFT p50 at most ``TTFT_FACTOR`` (1.01) × the best peer's;
+- (b) hit ratio at most ``HIT_SLACK`` (0.5 percentage points) below the best peer's;
+- (c) NVMe blocks written at most ``WRITE_FACTOR`` (2) × the fewest written by any
+  peer whose hit ratio is within ``HIT_SLACK`` of kvstore's or above (no such peer:
+  met, there is nothing to compare with).
+
+The peers are every model of ``peers.POLICIES`` but the reference ones (the
+infinite cache and always-recompute, ``plots.REFERENCE_POLICIES``).
+
+Seeds are split (``SEED_SPLITS``): tune a policy on ``tune``, judge it on
+``holdout``, whose results are not looked at while tuning. The generated traces
+of a kind and seed are the same on every machine (``trace.generate``), and the
+replay is deterministic, so a run's verdict repeats exactly.
+
+The replays run one after another by default (``jobs=1``); ``jobs`` > 1 runs the
+(workload, seed) groups in that many processes. The results are the same either
+way and come back in the same order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.tiering.config import ModelCost
+from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.plots import REFERENCE_POLICIES, is_kvstore
+from kvstore.tiering.sim.replay import Machine, run
+from kvstore.tiering.sim.trace import ALL_KINDS, Request, generate, load_trace
+
+__all__ = [
+    "HIT_SLACK",
+    "SEED_SPLITS",
+    "SUITE_CAPACITIES",
+    "TTFT_FACTOR",
+    "WRITE_FACTOR",
+    "Check",
+    "SuiteCase",
+    "SuiteRun",
+    "Verdict",
+    "by_workload",
+    "capacity_text",
+    "judge",
+    "parse_seeds",
+    "run_label",
+    "run_suite",
+    "suite_cases",
+    "summary",
+]
+
+# Tune on these seeds; judge on the held-out ones (docs/tiering.md, "The suite").
+SEED_SPLITS: dict[str, tuple[int, ...]] = {"tune": (1, 2, 3), "holdout": (101, 102, 103)}
+SUITE_CAPACITIES: tuple[tuple[float, float, float], ...] = (
+    (0.02, 0.10, 0.5),
+    (0.01, 0.05, 0.25),
+    (0.005, 0.02, 0.1),
+)
+TTFT_FACTOR = 1.01
+HIT_SLACK = 0.005
+WRITE_FACTOR = 2.0
+# Hit ratios are ratios of block counts; a difference of exactly 0.5 pp must pass
+# whatever the float rounding of the two ratios.
+_EPSILON = 1e-12
+
+
+# -- the verdict -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One target of one run: kvstore's number, the peers' one it is held to, the
+    peer that has it (None when no peer qualifies), and whether it is met."""
+
+    target: str
+    passed: bool
+    kvstore: float
+    reference: float | None
+    peer: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "kvstore": self.kvstore,
+            "reference": self.reference,
+            "peer": self.peer,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A kvstore policy's three checks on one run: ``ttft``, ``hit_ratio``, ``nvme_writes``."""
+
+    policy: str
+    ttft: Check
+    hit_ratio: Check
+    nvme_writes: Check
+
+    @property
+    def checks(self) -> tuple[Check, Check, Check]:
+        return self.ttft, self.hit_ratio, self.nvme_writes
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "passed": self.passed,
+            **{check.target: check.to_json() for check in self.checks},
+        }
+
+
+def judge(results: Sequence[Mapping[str, Any]], policy: str = "kvstore") -> Verdict:
+    """The three targets for ``policy`` against the peers among ``results`` (rows of
+    ``run``'s ``results``: policy, hit_ratio, nvme_blocks_written, ttft_p50_s).
+
+    Raises ValueError when ``policy`` is not among the results or no peer is.
+    """
+    mine = [r for r in results if r["policy"] == policy]
+    if not mine:
+        raise ValueError(f"no result for {policy!r} to judge")
+    kv = mine[0]
+    peers = [
+        r for r in results if not is_kvstore(r["policy"]) and r["policy"] not in REFERENCE_POLICIES
+    ]
+    if not peers:
+        raise ValueError("no peer results to judge against")
+    fastest = min(peers, key=lambda r: float(r["ttft_p50_s"]))
+    kv_ttft = float(kv["ttft_p50_s"])
+    best_ttft = float(fastest["ttft_p50_s"])
+    ttft = Check("ttft", kv_ttft <= TTFT_FACTOR * best_ttft, kv_ttft, best_ttft, fastest["policy"])
+    most = max(peers, key=lambda r: float(r["hit_ratio"]))
+    kv_hits = float(kv["hit_ratio"])
+    best_hits = float(most["hit_ratio"])
+    hits = Check(
+        "hit_ratio",
+        kv_hits >= best_hits - HIT_SLACK - _EPSILON,
+        kv_hits,
+        best_hits,
+        most["policy"],
+    )
+    kv_writes = int(kv["nvme_blocks_written"])
+    rivals = [r for r in peers if float(r["hit_ratio"]) >= kv_hits - HIT_SLACK - _EPSILON]
+    if rivals:
+        thrifty = min(rivals, key=lambda r: int(r["nvme_blocks_written"]))
+        fewest = int(thrifty["nvme_blocks_written"])
+        writes = Check(
+            "nvme_writes",
+            kv_writes <= WRITE_FACTOR * fewest,
+            kv_writes,
+            fewest,
+            thrifty["policy"],
+        )
+    else:  # kvstore has more hits than every peer by more than the slack
+        writes = Check("nvme_writes", True, kv_writes, None, None)
+    return Verdict(policy, ttft, hits, writes)
+
+
+# -- the runs --------------------------------------------------------------------------
+
+
+def parse_seeds(text: str) -> tuple[str, tuple[int, ...]]:
+    """``tune`` / ``holdout`` (``SEED_SPLITS``) or comma-separated integers ->
+    (the split's name or ``custom``, the seeds)."""
+    name = text.strip().lower()
+    if name in SEED_SPLITS:
+        return name, SEED_SPLITS[name]
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not re.fullmatch(r"[+-]?\d+", part):
+            known = " or ".join(SEED_SPLITS)
+            raise ValueError(
+                f"--seeds {text!r}: {part!r} is neither a seed (an integer) nor a split ({known})"
+            )
+        if int(part) not in seeds:
+            seeds.append(int(part))
+    return "custom", tuple(seeds)
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteCase:
+    """One trace of the suite, replayed at every capacity triple: a generated kind
+    and seed (``requests`` None: the kind's default count), or a trace file."""
+
+    workload: str
+    seed: int | None = None
+    requests: int | None = None
+    path: str | None = None
+    limit: int | None = None
+    capacities: tuple[tuple[float, float, float], ...] = SUITE_CAPACITIES
+
+    def load(self, block_tokens: int) -> list[Request]:
+        if self.path is not None:
+            return load_trace(self.path, limit=self.limit)
+        assert self.seed is not None
+        return generate(
+            self.workload, seed=self.seed, requests=self.requests, block_tokens=block_tokens
+        )
+
+    def trace_name(self, requests: Sequence[Request]) -> str:
+        if self.path is not None:
+            return self.path
+        return f"generated:{self.workload}:seed={self.seed}:requests={len(requests)}"
+
+
+def suite_cases(
+    kinds: Sequence[str] = ALL_KINDS,
+    seeds: Sequence[int] = SEED_SPLITS["tune"],
+    capacities: Sequence[tuple[float, float, float]] = SUITE_CAPACITIES,
+    *,
+    traces: Sequence[str] = (),
+    requests: int | None = None,
+    limit: int | None = None,
+) -> list[SuiteCase]:
+    """Every kind × seed, then every trace file (a real trace has no seed)."""
+    for kind in kinds:
+        if kind not in ALL_KINDS:
+            raise ValueError(f"unknown workload kind {kind!r}; known: {', '.join(ALL_KINDS)}")
+    if not capacities:
+        raise ValueError("the suite needs at least one capacity triple")
+    if not seeds and kinds:
+        raise ValueError("the suite needs at least one seed for the generated kinds")
+    triples = tuple((c[0], c[1], c[2]) for c in capacities)
+    cases = [
+        SuiteCase(kind, seed, requests, capacities=triples) for kind in kinds for seed in seeds
+    ]
+    cases += [SuiteCase(_trace_label(path), None, None, path, limit, triples) for path in traces]
+    if not cases:
+        raise ValueError("nothing to run: no workload kind and no trace")
+    return cases
+
+
+def _trace_label(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path)) or path
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    model: ModelCost
+    block_tokens: int
+    machine: Machine
+    variants: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class SuiteRun:
+    """One replay of the suite: ``run``'s document, and a verdict per kvstore variant."""
+
+    workload: str
+    seed: int | None
+    capacity: tuple[float, float, float]
+    document: dict[str, Any]
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "seed": self.seed,
+            "capacity": list(self.capacity),
+            "passed": self.passed,
+            "verdicts": [v.to_json() for v in self.verdicts],
+            **self.document,
+        }
+
+
+def capacity_text(capacity: Sequence[float]) -> str:
+    """``(0.02, 0.1, 0.5)`` -> ``"0.02,0.1,0.5"``."""
+    return ",".join(f"{c:g}" for c in capacity)
+
+
+def run_label(workload: str, seed: int | None, capacity: Sequence[float]) -> str:
+    """``agent seed 1 @ 0.02,0.1,0.5``; a trace file's run has no seed."""
+    seeded = workload if seed is None else f"{workload} seed {seed}"
+    return f"{seeded} @ {capacity_text(capacity)}"
+
+
+def _run_case(
+    case: SuiteCase, settings: _Settings, on_run: Callable[[str], None] | None = None
+) -> list[SuiteRun]:
+    requests = case.load(settings.block_tokens)
+    name = case.trace_name(requests)
+    policies = [*POLICIES, *settings.variants]
+    runs = []
+    for capacity in case.capacities:
+        if on_run is not None:
+            on_run(run_label(case.workload, case.seed, capacity))
+        document = run(
+            requests,
+            capacity_fractions=capacity,
+            model=settings.model,
+            block_tokens=settings.block_tokens,
+            machine=settings.machine,
+            policies=policies,
+            trace_name=name,
+        )
+        verdicts = [judge(document["results"], variant) for variant in settings.variants]
+        runs.append(SuiteRun(case.workload, case.seed, capacity, document, verdicts))
+    return runs
+
+
+def run_suite(
+    cases: Sequence[SuiteCase],
+    *,
+    model: ModelCost,
+    block_tokens: int = 512,
+    machine: Machine | None = None,
+    variants: Sequence[str] = ("kvstore",),
+    jobs: int = 1,
+    progress: Callable[[str, int], None] | None = None,
+) -> list[SuiteRun]:
+    """Replay every case at each of its capacity triples; runs in the cases' order.
+
+    ``progress(label, done)`` is called as each replay starts (``jobs`` = 1) or as
+    each case's replays end (``jobs`` > 1), ``done`` the replays finished so far.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    for variant in variants:
+        if not is_kvstore(variant):
+            raise ValueError(f"the suite judges kvstore policies; {variant!r} is not one")
+    settings = _Settings(model, block_tokens, machine or Machine(), tuple(variants) or ("kvstore",))
+    if jobs == 1:
+        done = [0]
+
+        def on_run(label: str) -> None:
+            if progress is not None:
+                progress(label, done[0])
+            done[0] += 1
+
+        return [run for case in cases for run in _run_case(case, settings, on_run)]
+    out: list[list[SuiteRun]] = [[] for _ in cases]
+    finished = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(_run_case, case, settings): i for i, case in enumerate(cases)}
+        for future in concurrent.futures.as_completed(futures):
+            index = futures[future]
+            out[index] = future.result()
+            finished += len(out[index])
+            if progress is not None:
+                progress(cases[index].workload, finished)
+    return [run for runs in out for run in runs]
+
+
+def summary(runs: Sequence[SuiteRun]) -> dict[str, Any]:
+    """Runs and verdicts met, per target and in all."""
+    verdicts = [v for r in runs for v in r.verdicts]
+    return {
+        "runs": len(runs),
+        "passed": sum(r.passed for r in runs),
+        "verdicts": len(verdicts),
+        "by_target": {
+            target: sum(getattr(v, target).passed for v in verdicts)
+            for target in ("ttft", "hit_ratio", "nvme_writes")
+        },
+    }
+
+
+def by_workload(runs: Sequence[SuiteRun]) -> Iterator[tuple[str, list[SuiteRun]]]:
+    """The runs grouped by workload, in the order the workloads first appear."""
+    groups: dict[str, list[SuiteRun]] = {}
+    for r in runs:
+        groups.setdefault(r.workload, []).append(r)
+    yield from groups.items()
