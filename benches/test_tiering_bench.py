@@ -18,9 +18,9 @@ import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
 from kvstore.bench.common import MIB
+from kvstore.bench.tiering import FILL_CHAINS, fake_config, fill_dram, load_config
 from kvstore.bench.tiering import PREFIX_PAGES as PREFIX
 from kvstore.bench.tiering import chain as chain_of
-from kvstore.bench.tiering import fake_config, load_config
 from kvstore.tiering import LookupState, TierManager
 
 
@@ -71,10 +71,7 @@ def test_offer_128_page_chain(benchmark: BenchmarkFixture, full: bool) -> None:
     tm = fake_manager(8 * PREFIX if full else (rounds + 2) * PREFIX)
     names = itertools.count()
     if full:
-        for _ in range(16):
-            tm.offer(chain(f"fill{next(names)}"), None)
-            tm.drain()
-            tm.step()
+        fill_dram(tm, FILL_CHAINS)
     admitted: list[int] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:

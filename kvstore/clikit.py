@@ -1,10 +1,12 @@
 """What the command lines share: exit codes, the ``--json`` error object, the
-consoles and the progress bar.
+consoles, the progress bar and the drivers' progress lines.
 
 ``kvstore`` (kvstore/cli.py), ``kvstore bench`` (kvstore/bench/cli.py) and
 ``kvstore sim`` (kvstore/tiering/sim/cli.py) import it; none of them imports
 another for these (kvstore/cli.py registers the other two commands, nothing
-more). It imports only kvstore.errors, click and rich.
+more). The benchmark and fault drivers behind tools/ (kvstore/bench,
+kvstore/testing) print their progress with ``progress_line``. It imports only
+kvstore.errors, click and rich.
 
 Exit codes (documented in README.md and docs/operations.md):
     0  success
@@ -18,6 +20,7 @@ Exit codes (documented in README.md and docs/operations.md):
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 from rich.console import Console
@@ -38,6 +41,7 @@ __all__ = [
     "message_of",
     "os_reason",
     "progress_bar",
+    "progress_line",
 ]
 
 EXIT_NOT_FOUND = 1
@@ -105,3 +109,10 @@ def progress_bar(*, transient: bool) -> Progress:
         transient=transient,
         disable=not on.is_terminal,
     )
+
+
+def progress_line(message: str, *, quiet: bool = False) -> None:
+    """One line of progress on stderr, flushed at once (none with ``quiet``): what a
+    long driver says while stdout keeps its report or JSON."""
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from kvstore import KVStore
 from kvstore.bench.common import MIB
+from kvstore.clikit import progress_line
 
 POOL_BYTES = 4 * MIB
 TARGET_REOPEN_S = 3.0
@@ -377,8 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return measure_child(args, plan)
 
     def log(message: str) -> None:
-        if not args.json:
-            print(message, file=sys.stderr, flush=True)
+        progress_line(message, quiet=args.json)
 
     report: dict[str, Any] = {"pages": args.pages, "tail": args.tail}
     if not args.skip_build:

@@ -176,6 +176,32 @@ def measured(timer: SyscallTimer, profiler: cProfile.Profile | None) -> Iterator
     out["minflt"] = after.ru_minflt - before.ru_minflt
 
 
+def _report(
+    workload: str,
+    pages: int,
+    page_bytes: int,
+    out: dict[str, float],
+    phases: dict[str, float],
+    timer: SyscallTimer,
+    profiler: cProfile.Profile | None,
+    top: int,
+) -> Report:
+    """A workload's report from what ``measured`` filled in."""
+    return Report(
+        workload,
+        pages,
+        page_bytes,
+        out["wall_s"],
+        pages * page_bytes / out["wall_s"] / 1e6,
+        out["user_s"],
+        out["sys_s"],
+        int(out["minflt"]),
+        phases,
+        dict(timer.calls),
+        _top(profiler, top),
+    )
+
+
 def _top(profiler: cProfile.Profile | None, count: int) -> str:
     if profiler is None:
         return ""
@@ -223,19 +249,7 @@ def profile_puts(args: argparse.Namespace, page_bytes: int, name: str) -> Report
         store.close()
         shutil.rmtree(root, ignore_errors=True)
     pages = batches * args.batch
-    return Report(
-        name,
-        pages,
-        page_bytes,
-        out["wall_s"],
-        pages * page_bytes / out["wall_s"] / 1e6,
-        out["user_s"],
-        out["sys_s"],
-        int(out["minflt"]),
-        phases,
-        dict(timer.calls),
-        _top(profiler, args.top),
-    )
+    return _report(name, pages, page_bytes, out, phases, timer, profiler, args.top)
 
 
 def profile_reads(args: argparse.Namespace) -> list[Report]:
@@ -262,20 +276,10 @@ def profile_reads(args: argparse.Namespace) -> list[Report]:
             with measured(timer, profiler) as out:
                 for wanted in plan:
                     store.get_many(wanted)
-            pages = len(plan) * 64
+            phases = {"get_many": out["wall_s"]}
             reports.append(
-                Report(
-                    "get_many",
-                    pages,
-                    page_bytes,
-                    out["wall_s"],
-                    pages * page_bytes / out["wall_s"] / 1e6,
-                    out["user_s"],
-                    out["sys_s"],
-                    int(out["minflt"]),
-                    {"get_many": out["wall_s"]},
-                    dict(timer.calls),
-                    _top(profiler, args.top),
+                _report(
+                    "get_many", len(plan) * 64, page_bytes, out, phases, timer, profiler, args.top
                 )
             )
             singles = [rng.choice(keys) for _ in range(min(count, 4096))]
@@ -284,20 +288,9 @@ def profile_reads(args: argparse.Namespace) -> list[Report]:
             with measured(timer, profiler) as out:
                 for key in singles:
                     store.get(key)
+            phases = {"get": out["wall_s"]}
             reports.append(
-                Report(
-                    "get",
-                    len(singles),
-                    page_bytes,
-                    out["wall_s"],
-                    len(singles) * page_bytes / out["wall_s"] / 1e6,
-                    out["user_s"],
-                    out["sys_s"],
-                    int(out["minflt"]),
-                    {"get": out["wall_s"]},
-                    dict(timer.calls),
-                    _top(profiler, args.top),
-                )
+                _report("get", len(singles), page_bytes, out, phases, timer, profiler, args.top)
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)

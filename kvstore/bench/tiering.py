@@ -52,7 +52,6 @@ import io
 import pstats
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -74,12 +73,9 @@ from kvstore.tiering.sim import trace as tier_trace
 
 PARTS = ("bookkeeping", "dram", "nvme", "plan")
 PREFIX_PAGES = 128
+FILL_CHAINS = 16  # fills a DRAM of 8 chains: every later offer evicts
 # A model whose page of 8 tokens is 1 MiB (128 KiB of K and V per token, as Llama-3.1-8B).
 MIB_PAGE_MODEL = ModelCost(8.03e9, 32, 32, 128, 128 * KIB)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- what the bench reads of the manager's internals --------------------------------
@@ -197,6 +193,15 @@ def chain(prefix: str, count: int) -> list[bytes]:
     return [f"{prefix}/{i:05d}".encode() for i in range(count)]
 
 
+def fill_dram(tm: TierManager, chains: int) -> None:
+    """Offer ``chains`` fresh 128-page chains, each followed by a drain and a control
+    step: DRAM fills, and write-back puts a copy below."""
+    for index in range(chains):
+        tm.offer(chain(f"fill{index}", PREFIX_PAGES), None)
+        tm.drain()
+        tm.step()
+
+
 def bench_lookup(reps: int, calls: int) -> dict[str, Any]:
     """``lookup`` of a 128-page prefix resident in DRAM, and the bare-loop floor."""
     keys = chain("lookup", PREFIX_PAGES)
@@ -235,13 +240,13 @@ def bench_offer_fake(reps: int, calls: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     free_pages = (reps * calls + 1) * PREFIX_PAGES
     full_pages = 8 * PREFIX_PAGES
-    for name, dram_pages, prefill in (("free_slots", free_pages, 0), ("full_dram", full_pages, 16)):
+    for name, dram_pages, prefill in (
+        ("free_slots", free_pages, 0),
+        ("full_dram", full_pages, FILL_CHAINS),
+    ):
         sample = Sample()
         with TierManager.open(fake_config(dram_pages)) as tm:
-            for index in range(prefill):  # fill DRAM (and let write-back put a copy below)
-                tm.offer(chain(f"fill{index}", PREFIX_PAGES), None)
-                tm.drain()
-                tm.step()
+            fill_dram(tm, prefill)
             for rep in range(reps):
                 chains = [chain(f"offer{rep}-{c}", PREFIX_PAGES) for c in range(calls)]
                 admitted = 0
@@ -261,16 +266,7 @@ def bench_offer_cpu(reps: int, page_bytes: int) -> dict[str, Any]:
     """``offer`` on the CPU mover with real tensors: caller CPU, and wall minus the copy."""
     count = PREFIX_PAGES
     sources = random_pages(count, page_bytes, seed=11)
-    config = TierConfig(
-        device="cpu",
-        hbm_bytes=0,
-        dram_bytes=(reps + 2) * count * page_bytes,
-        page_bytes=page_bytes,
-        tokens_per_page=8,
-        model=MIB_PAGE_MODEL,
-        admission="all",
-        probe_at_open=False,
-    )
+    config = cpu_config((reps + 2) * count, page_bytes)
     caller_us: list[float] = []
     release_us: list[float] = []
     copy_us: list[float] = []
@@ -322,10 +318,7 @@ def profile_bookkeeping(top: int) -> dict[str, str]:
         profiler.disable()
         out["lookup"] = profile_text(profiler, top)
     with TierManager.open(fake_config(8 * PREFIX_PAGES)) as tm:
-        for index in range(16):
-            tm.offer(chain(f"fill{index}", PREFIX_PAGES), None)
-            tm.drain()
-            tm.step()
+        fill_dram(tm, FILL_CHAINS)
         profiler = cProfile.Profile(time.thread_time)
         for index in range(40):
             batch = chain(f"p{index}", PREFIX_PAGES)
@@ -338,15 +331,7 @@ def profile_bookkeeping(top: int) -> dict[str, str]:
     page_bytes = 64 * KIB
     sources = random_pages(PREFIX_PAGES, page_bytes, seed=41)
     rounds = 10
-    config = TierConfig(
-        hbm_bytes=0,
-        dram_bytes=(rounds + 1) * PREFIX_PAGES * page_bytes,
-        page_bytes=page_bytes,
-        tokens_per_page=8,
-        model=MIB_PAGE_MODEL,
-        admission="all",
-        probe_at_open=False,
-    )
+    config = cpu_config((rounds + 1) * PREFIX_PAGES, page_bytes)
     with TierManager.open(config) as tm:
         dram_arena(tm).buffer().fill_(0)
         profiler = cProfile.Profile(time.thread_time)
@@ -370,21 +355,25 @@ def profile_text(profiler: cProfile.Profile, top: int) -> str:
 # -- loads -------------------------------------------------------------------------
 
 
-def load_config(pages: int, page_bytes: int, **overrides: Any) -> TierConfig:
-    """A CPU manager whose plan always loads (recomputing a page is made slow)."""
+def cpu_config(dram_pages: int, page_bytes: int, **overrides: Any) -> TierConfig:
+    """The CPU mover, no HBM, DRAM for ``dram_pages``, every page admitted, no probe."""
     options: dict[str, Any] = dict(
         device="cpu",
         hbm_bytes=0,
-        dram_bytes=(pages + 8) * page_bytes,
+        dram_bytes=dram_pages * page_bytes,
         page_bytes=page_bytes,
         tokens_per_page=8,
         model=MIB_PAGE_MODEL,
-        compute_flops=1e9,
         admission="all",
         probe_at_open=False,
     )
     options.update(overrides)
     return TierConfig(**options)
+
+
+def load_config(pages: int, page_bytes: int, **overrides: Any) -> TierConfig:
+    """A CPU manager whose plan always loads (recomputing a page is made slow)."""
+    return cpu_config(pages + 8, page_bytes, compute_flops=1e9, **overrides)
 
 
 def bench_dram(pages: int, page_bytes: int, reps: int) -> dict[str, Any]:

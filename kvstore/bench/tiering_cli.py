@@ -28,9 +28,9 @@ from kvstore.bench.tiering import (
     bench_offer_cpu,
     bench_offer_fake,
     bench_plan,
-    log,
     profile_bookkeeping,
 )
+from kvstore.clikit import progress_line
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: bench-data/ goes there
 
@@ -230,25 +230,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {}
     page_bytes = args.page_kib * KIB
     if "bookkeeping" in args.only:
-        log("bookkeeping: lookup")
+        progress_line("bookkeeping: lookup")
         lookup = bench_lookup(args.reps, args.calls)
-        log("bookkeeping: offer")
+        progress_line("bookkeeping: offer")
         results["bookkeeping"] = {
             "lookup": lookup,
             "offer_fake": bench_offer_fake(args.reps, max(1, args.calls // 10)),
             "offer_cpu": bench_offer_cpu(args.reps, args.offer_page_kib * KIB),
         }
     if args.profile:
-        log("bookkeeping: cProfile")
+        progress_line("bookkeeping: cProfile")
         results["profiles"] = profile_bookkeeping(args.profile)
     if "dram" in args.only:
-        log("dram -> destination")
+        progress_line("dram -> destination")
         results["dram"] = bench_dram(args.pages, page_bytes, 2 * args.reps + 1)
     if "nvme" in args.only:
-        log("nvme -> destination")
+        progress_line("nvme -> destination")
         results["nvme"] = bench_nvme(args.dir, args.pages, page_bytes, args.reps)
     if "plan" in args.only:
-        log("plan: replaying the trace")
+        progress_line("plan: replaying the trace")
         results["plan"] = bench_plan(args.requests, tuple(args.capacity))
     document = {
         "machine": machine,

@@ -24,11 +24,11 @@ exceed: a child importing numpy under load average 11 was flagged).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore import KVStore
+from kvstore.clikit import progress_line
 from kvstore.testing import crashloop
 
 __all__ = ["FsckTally", "main"]
@@ -53,7 +53,7 @@ class FsckTally:
         self.findings += len(found)
         for finding in found[:3]:
             line = f"cycle {cycle}: fsck {finding.kind}: {finding.message}"
-            print(line, file=sys.stderr, flush=True)
+            progress_line(line)
             if len(self.examples) < MAX_EXAMPLES:
                 self.examples.append(line)
 

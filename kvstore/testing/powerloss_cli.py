@@ -46,18 +46,20 @@ import json
 import random
 import re
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.clikit import progress_line
 from kvstore.testing.faults import POLICIES
 from kvstore.testing.ioerrors import ERRNOS, OPERATIONS, run_loop
 from kvstore.testing.powerloss import (
     Trace,
+    Violation,
     record_trace,
     run_case,
     run_double_case,
@@ -65,13 +67,29 @@ from kvstore.testing.powerloss import (
     tear_wal_cases,
 )
 
-
-def _progress(quiet: bool, message: str) -> None:
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
-
-
 EVICTION_POLICIES = ("fifo", "lru", "cost")
+MAX_EXAMPLES = 20  # cases with violations kept in the summary, 5 violations each
+
+
+@dataclass(slots=True)
+class _Violations:
+    """Violations counted by kind, and the first cases that had any."""
+
+    kinds: Counter[str] = field(default_factory=Counter)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, violations: Sequence[Violation], case: dict[str, Any], *, kinds: bool) -> None:
+        """Count ``violations``; keep them as an example of ``case`` (``kinds``: each
+        text is ``kind: detail``, else the detail alone)."""
+        for violation in violations:
+            self.kinds[violation.kind] += 1
+        if violations and len(self.examples) < MAX_EXAMPLES:
+            texts = [f"{v.kind}: {v.detail}" if kinds else v.detail for v in violations[:5]]
+            self.examples.append({**case, "violations": texts})
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
 
 
 def _record(args: argparse.Namespace, trace_dir: Path, trace_seed: int) -> Trace:
@@ -91,8 +109,7 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     policies = POLICIES if args.policy == "all" else (args.policy,)
     per_policy: Counter[str] = Counter()
-    kinds: Counter[str] = Counter()
-    examples: list[dict[str, Any]] = []
+    found = _Violations()
     acknowledged = 0
     traces = 0
     record_ops = 0
@@ -113,19 +130,10 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             per_policy[policy] += 1
             acknowledged += result.acknowledged_pages
             open_seconds.append(result.open_seconds)
-            for violation in result.violations:
-                kinds[violation.kind] += 1
-            if result.violations and len(examples) < 20:
-                examples.append(
-                    {
-                        "trace_seed": trace_seed,
-                        "cut": cut,
-                        "policy": policy,
-                        "violations": [f"{v.kind}: {v.detail}" for v in result.violations[:5]],
-                    }
-                )
+            case = {"trace_seed": trace_seed, "cut": cut, "policy": policy}
+            found.add(result.violations, case, kinds=True)
             if done % 100 == 0:
-                _progress(args.quiet, f"{done} cases, violations {sum(kinds.values())}")
+                progress_line(f"{done} cases, violations {found.total}", quiet=args.quiet)
         shutil.rmtree(trace_dir, ignore_errors=True)
     open_seconds.sort()
     return {
@@ -137,9 +145,9 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "traces": traces,
         "recorded_calls": record_ops,
         "acknowledged_pages_checked": acknowledged,
-        "violations": sum(kinds.values()),
-        "violations_by_kind": dict(kinds),
-        "examples": examples,
+        "violations": found.total,
+        "violations_by_kind": dict(found.kinds),
+        "examples": found.examples,
         "open_seconds_p50": open_seconds[len(open_seconds) // 2] if open_seconds else 0.0,
         "open_seconds_max": open_seconds[-1] if open_seconds else 0.0,
         "seconds": round(time.monotonic() - started, 1),
@@ -149,8 +157,7 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def run_double(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     pairs = [(first, second) for first in POLICIES for second in POLICIES]
-    kinds: Counter[str] = Counter()
-    examples: list[dict[str, Any]] = []
+    found = _Violations()
     done = traces = 0
     started = time.monotonic()
     while done < args.cases:
@@ -163,19 +170,10 @@ def run_double(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             cut = rng.randint(0, len(trace.recorder.ops))
             violations = run_double_case(trace, cut, first, second, work, rng)
             done += 1
-            for violation in violations:
-                kinds[violation.kind] += 1
-            if violations and len(examples) < 20:
-                examples.append(
-                    {
-                        "trace_seed": trace_seed,
-                        "cut": cut,
-                        "policies": [first, second],
-                        "violations": [f"{v.kind}: {v.detail}" for v in violations[:5]],
-                    }
-                )
+            case = {"trace_seed": trace_seed, "cut": cut, "policies": [first, second]}
+            found.add(violations, case, kinds=True)
             if done % 50 == 0:
-                _progress(args.quiet, f"{done} cases, violations {sum(kinds.values())}")
+                progress_line(f"{done} cases, violations {found.total}", quiet=args.quiet)
         shutil.rmtree(trace_dir, ignore_errors=True)
     return {
         "mode": "double",
@@ -183,9 +181,9 @@ def run_double(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "capacity_mib": args.capacity_mib,
         "cases": done,
         "traces": traces,
-        "violations": sum(kinds.values()),
-        "violations_by_kind": dict(kinds),
-        "examples": examples,
+        "violations": found.total,
+        "violations_by_kind": dict(found.kinds),
+        "examples": found.examples,
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -198,15 +196,9 @@ def run_tear(args: argparse.Namespace, work: Path, kind: str) -> dict[str, Any]:
     else:
         stride = args.stride or 1
         results = tear_wal_cases(work, seed=args.seed, stride=stride)
-    kinds: Counter[str] = Counter()
-    examples: list[dict[str, Any]] = []
+    found = _Violations()
     for point, tail, violations in results:
-        for violation in violations:
-            kinds[violation.kind] += 1
-        if violations and len(examples) < 20:
-            examples.append(
-                {"point": point, "tail": tail, "violations": [v.detail for v in violations[:5]]}
-            )
+        found.add(violations, {"point": point, "tail": tail}, kinds=False)
     points = sorted({point for point, _, _ in results})
     return {
         "mode": f"tear-{kind}",
@@ -215,9 +207,9 @@ def run_tear(args: argparse.Namespace, work: Path, kind: str) -> dict[str, Any]:
         "tear_points": len(points),
         "write_bytes": points[-1] if points else 0,
         "cases": len(results),
-        "violations": sum(kinds.values()),
-        "violations_by_kind": dict(kinds),
-        "examples": examples,
+        "violations": found.total,
+        "violations_by_kind": dict(found.kinds),
+        "examples": found.examples,
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -266,10 +258,10 @@ def run_eio(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         "examples": result.violations[:5],
                     }
                 )
-                _progress(
-                    args.quiet,
+                progress_line(
                     f"{operation} {error} {'persistent' if persistent else 'single'}: "
                     f"N up to {result.completed_at}, violations {len(result.violations)}",
+                    quiet=args.quiet,
                 )
     return {
         "mode": "eio",
@@ -316,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
-        _progress(args.quiet, f"seed {args.seed}")
+        progress_line(f"seed {args.seed}", quiet=args.quiet)
     scratch = Path(tempfile.mkdtemp(prefix="kvstore-powerloss-", dir=args.work_dir))
     try:
         if args.mode == "powerloss":
