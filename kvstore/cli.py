@@ -238,7 +238,7 @@ def get(path: Path, key: str, output: Any) -> None:
 FSCK_CLEAN = 0
 FSCK_CORRECTED = 1
 FSCK_UNCORRECTED = 4
-FSCK_OPERATIONAL = 8
+FSCK_OPERATIONAL = EXIT_OPERATIONAL
 
 
 @main.command()
@@ -360,7 +360,7 @@ def _print_findings(path: Path, findings: list[Finding]) -> None:
 
 RECOVER_OK = 0
 RECOVER_LOST = 4
-RECOVER_OPERATIONAL = 8
+RECOVER_OPERATIONAL = EXIT_OPERATIONAL
 
 
 @main.command()
