@@ -13,6 +13,7 @@ __all__ = ["StoreConfig"]
 MIB = 1 << 20
 MAX_IO_DEPTH = 32768  # the kernel's limit on io_uring submission queue entries
 MAX_LSN_LEASE_STEP = 1 << 32  # leases stay far below SEQUENCE_LIMIT (2**62)
+MAX_PIPELINE_DEPTH = 64  # pipeline threads at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,11 @@ class StoreConfig:
     # (releasing the GIL between polls) before sleeping: no idle wake-up on the latency
     # path, at the price of a busy core while the read runs. 0: always sleep.
     read_poll_us: int = 1000
+    # Batches of put_many_async / get_many_async / get_many_into_async in flight at
+    # once, each on its own pipeline thread and ring: the next batch is prepared and
+    # submitted while the previous one's I/O and group commit run (docs/design.md,
+    # "Pipelined batches"). More wait their turn.
+    pipeline_depth: int = 2
     lsn_lease_step: int = 1 << 20
     eviction_policy: str = "fifo"  # a name registered in kvstore.runtime.policies
     low_watermark_segments: int = 2  # evict when fewer free segments remain
@@ -99,6 +105,7 @@ class StoreConfig:
             raise TypeError(f"direct_io must be True, False or None, got {self.direct_io!r}")
         _integer("io_depth", self.io_depth, low=1, high=MAX_IO_DEPTH)
         _integer("read_poll_us", self.read_poll_us, low=0)
+        _integer("pipeline_depth", self.pipeline_depth, low=1, high=MAX_PIPELINE_DEPTH)
         _integer("lsn_lease_step", self.lsn_lease_step, low=1, high=MAX_LSN_LEASE_STEP)
         _text("eviction_policy", self.eviction_policy)
         _number("gc_live_ratio", self.gc_live_ratio, low=0.0, high=1.0)

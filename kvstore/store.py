@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -68,7 +69,7 @@ from kvstore.runtime.report import Degraded, gauges_locked, store_stats_locked
 from kvstore.runtime.rolling import SegmentSet
 from kvstore.runtime.state import StoreState
 from kvstore.runtime.tally import GCTally
-from kvstore.runtime.writer import SegmentWriter
+from kvstore.runtime.writer import SegmentWriter, Turn
 from kvstore.telemetry import TelemetrySnapshot
 from kvstore.telemetry import counters as tc
 from kvstore.telemetry.recorder import Recorder
@@ -169,6 +170,10 @@ class KVStore:
         self.root = root
         self.readonly = readonly
         self._closed = False
+        self._pipeline_pool: ThreadPoolExecutor | None = None
+        self._pipeline_closed = False
+        self._pipeline_lock = threading.Lock()
+        self._turn = Turn()  # put_many_async batches reserve in submission order
         self._lock_fd = -1
         superblock = lifecycle.read_superblock(root)
         self.superblock = superblock
@@ -227,8 +232,13 @@ class KVStore:
         """Flush, checkpoint and release everything. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        with self._pipeline_lock:
+            self._pipeline_closed = True  # no new pipelined batch from here on
+            pipeline, self._pipeline_pool = self._pipeline_pool, None
         try:
+            if pipeline is not None:
+                pipeline.shutdown(wait=True)  # the batches in flight finish first
+            self._closed = True
             if not self.readonly and hasattr(self, "_stop"):
                 self._stop.set()
                 self._state.spare_wanted.set()
@@ -246,6 +256,7 @@ class KVStore:
                     with self._checkpointer.lock:
                         self._recorder.persist()
         finally:
+            self._closed = True
             self._release_resources()
 
     def _release_resources(self) -> None:
@@ -334,8 +345,45 @@ class KVStore:
         Returns, per item, True when stored (False is reserved for an admission
         policy declining the page). Items are validated before anything is
         written, so a bad item raises without storing any of the batch.
+
+        A value in writable, 4 KiB-aligned memory of at least 16 KiB (an mmap, an
+        aligned numpy or torch buffer, pinned host memory) is written straight from
+        that memory, without a copy (docs/design.md, "Write path"); other values are
+        copied into the store's aligned buffers.
         """
-        st = self._state
+        prepared = self._prepare_puts(items)
+        return self._put_prepared(prepared, sync, None, 0)
+
+    def put_many_async(
+        self,
+        items: Iterable[tuple[Key, object] | tuple[Key, object, Meta | None]],
+        *,
+        sync: bool = False,
+    ) -> Future[list[bool]]:
+        """``put_many`` on a pipeline thread: returns at once with a ``Future`` of its result.
+
+        Up to ``pipeline_depth`` batches run at once, so the next batch's writes are
+        prepared and submitted while the previous batch's I/O and group commit are in
+        flight (docs/design.md, "Pipelined batches"). Items are validated here, before
+        this returns (a bad item raises now and stores nothing); batches take their LSNs
+        in the order they were submitted, so of two batches holding one key the later
+        wins. Each page is readable once the future is done, and durable then when
+        ``sync=True``; a page is never acknowledged before its write and, with ``sync``,
+        its group commit are complete. The values' memory must stay unchanged until the
+        future is done (pages in aligned memory are written straight from it).
+        """
+        prepared = self._prepare_puts(items)
+        turn = self._turn
+        ticket = turn.ticket()
+        try:
+            return self._pipeline().submit(self._put_prepared, prepared, sync, turn, ticket)
+        except BaseException:
+            turn.done(ticket)  # never run: the batches after it must not wait for it
+            raise
+
+    def _prepare_puts(
+        self, items: Iterable[tuple[Key, object] | tuple[Key, object, Meta | None]]
+    ) -> list[tuple[bytes, memoryview, bytes]]:
         self._check_open()
         if self.readonly:
             raise ReadOnlyError(f"store {self.root} was opened read-only")
@@ -347,23 +395,52 @@ class KVStore:
             view = value_view(item[1], self.config.max_page_bytes)
             meta = meta_bytes(item[2] if len(item) == 3 else None)
             prepared.append((key, view, meta))
-        if not prepared:
-            return []
-        started_ns = time.perf_counter_ns()
-        admitted: list[bool] | None = None
-        if self._recorder.budget is not None:
-            spans = [record_span(view.nbytes) for _, view, _ in prepared]
-            with st.lock:
-                admitted = self._recorder.budget.admit(spans, tc.store_bytes(st.tv))
-                for ok, (_, view, _) in zip(admitted, prepared, strict=True):
-                    if not ok:
-                        st.tv[tc.DECLINED_PUTS] += 1
-                        st.tv[tc.DECLINED_BYTES] += view.nbytes
-            prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
-        self._writer.write(prepared, started_ns)
+        return prepared
+
+    def _put_prepared(
+        self,
+        prepared: list[tuple[bytes, memoryview, bytes]],
+        sync: bool,
+        turn: Turn | None,
+        ticket: int,
+    ) -> list[bool]:
+        st = self._state
+        try:
+            if not prepared:
+                return []
+            started_ns = time.perf_counter_ns()
+            admitted: list[bool] | None = None
+            if self._recorder.budget is not None:
+                spans = [record_span(view.nbytes) for _, view, _ in prepared]
+                with st.lock:
+                    admitted = self._recorder.budget.admit(spans, tc.store_bytes(st.tv))
+                    for ok, (_, view, _) in zip(admitted, prepared, strict=True):
+                        if not ok:
+                            st.tv[tc.DECLINED_PUTS] += 1
+                            st.tv[tc.DECLINED_BYTES] += view.nbytes
+                prepared = [item for item, ok in zip(prepared, admitted, strict=True) if ok]
+            self._writer.write(prepared, started_ns, turn=turn, ticket=ticket)
+        finally:
+            if turn is not None:
+                turn.done(ticket)  # a batch that wrote nothing passes its turn too
         if sync and prepared:
             self.flush()
         return [True] * len(prepared) if admitted is None else admitted
+
+    def _pipeline(self) -> ThreadPoolExecutor:
+        """The pipeline threads of the async calls, made on first use."""
+        pipeline = self._pipeline_pool
+        if pipeline is None:
+            with self._pipeline_lock:
+                if self._pipeline_closed:
+                    raise ClosedError(f"store {self.root} is closed")
+                pipeline = self._pipeline_pool
+                if pipeline is None:
+                    pipeline = self._pipeline_pool = ThreadPoolExecutor(
+                        max_workers=self.config.pipeline_depth,
+                        thread_name_prefix="kvstore-pipe",
+                    )
+        return pipeline
 
     def delete(self, key: Key) -> bool:
         """Delete ``key``; True if it was present. Durable like a plain put."""
@@ -509,6 +586,31 @@ class KVStore:
             target[: payload.nbytes] = payload
 
         return self._reads.read_many(wanted, sink, targets)
+
+    def get_many_async(self, keys: Iterable[Key]) -> Future[list[bytes | None]]:
+        """``get_many`` on a pipeline thread: a ``Future`` of its result, at once.
+
+        Up to ``pipeline_depth`` batches of reads run at once, so the device has the
+        next batch's reads while the previous batch is verified and copied out.
+        """
+        keys = list(keys)
+        self._check_open()
+        return self._pipeline().submit(self.get_many, keys)
+
+    def get_many_into_async(
+        self, keys: Iterable[Key], buffers: Iterable[object]
+    ) -> Future[list[int | None]]:
+        """``get_many_into`` on a pipeline thread: a ``Future`` of its result, at once.
+
+        The buffers are checked here (writable, contiguous, one per key); the sizes
+        when the batch runs. They must not be read or reused until the future is done.
+        """
+        keys = list(keys)
+        targets = [writable_view(buffer) for buffer in buffers]
+        if len(targets) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(targets)} buffers")
+        self._check_open()
+        return self._pipeline().submit(self.get_many_into, keys, targets)
 
     # -- pins and retains ------------------------------------------------
 

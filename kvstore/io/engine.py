@@ -27,6 +27,11 @@ class IOQueue(Protocol):
 
     def write(self, fd: int, offset: int, buffer: memoryview, token: int) -> None: ...
 
+    def writev(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        """One write gathered from ``buffers`` in order (header blocks, the caller's
+        payloads, padding blocks: docs/design.md, "Write path")."""
+        ...
+
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None: ...
 
     def readv(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:

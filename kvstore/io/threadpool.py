@@ -20,6 +20,13 @@ def _pwrite(fd: int, buffer: memoryview, offset: int) -> int:
         return -(e.errno or 5)
 
 
+def _pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+    try:
+        return os.pwritev(fd, buffers, offset)
+    except OSError as e:
+        return -(e.errno or 5)
+
+
 def _pread(fd: int, buffer: memoryview, offset: int) -> int:
     try:
         return os.preadv(fd, [buffer], offset)
@@ -47,6 +54,9 @@ class ThreadPoolQueue:
 
     def write(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
         self._pending[self._pool.submit(_pwrite, fd, buffer, offset)] = token
+
+    def writev(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        self._pending[self._pool.submit(_pwritev, fd, buffers, offset)] = token
 
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
         self._pending[self._pool.submit(_pread, fd, buffer, offset)] = token

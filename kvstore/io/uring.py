@@ -71,6 +71,10 @@ class UringQueue:
     def write(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
         self._queue(self._binding.prep_writev, fd, offset, [buffer], token)
 
+    def writev(self, fd: int, offset: int, buffers: list[memoryview], token: int) -> None:
+        """One write gathered from ``buffers``, in order."""
+        self._queue(self._binding.prep_writev, fd, offset, buffers, token)
+
     def read(self, fd: int, offset: int, buffer: memoryview, token: int) -> None:
         self._queue(self._binding.prep_readv, fd, offset, [buffer], token)
 

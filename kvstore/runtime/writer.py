@@ -17,8 +17,10 @@ log/; docs/design.md, "Layers"; the publish needs the page table and the policy)
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable
 
@@ -38,7 +40,14 @@ from kvstore.runtime.rolling import SegmentSet
 from kvstore.runtime.state import StoreState
 from kvstore.telemetry import counters as tc
 
-__all__ = ["COALESCE_BYTES", "SUBMIT_BYTES", "SegmentWriter"]
+__all__ = [
+    "COALESCE_BYTES",
+    "SUBMIT_BYTES",
+    "ZERO_COPY_MIN_BYTES",
+    "SegmentWriter",
+    "Turn",
+    "in_place",
+]
 
 _ZERO_BLOCK = memoryview(bytes(BLOCK_BYTES))  # sliced without copying
 
@@ -53,14 +62,71 @@ class _PendingPut:
 
 @dataclasses.dataclass(slots=True)
 class _PendingWrite:
-    """One write of consecutive records of one ``put_many`` call: one buffer, one I/O."""
+    """One write of consecutive records of one ``put_many`` call: one I/O.
+
+    ``buffer`` holds what the write copies (header blocks, payloads that are not
+    written in place, padding); ``pieces`` is the write's gather list in disk order:
+    ``(start, end)`` ranges of ``buffer`` and the caller's own payload views
+    (docs/design.md, "Write path": zero copy).
+    """
 
     segment: Segment
     offset: int  # of the first record
     buffer: AlignedBuffer
     started_ns: int  # when put_many began: put latency is until the page is published
-    length: int = 0
+    length: int = 0  # bytes on disk
+    used: int = 0  # bytes of ``buffer`` taken
+    pieces: list[tuple[int, int] | memoryview] = dataclasses.field(default_factory=list)
     pages: list[_PendingPut] = dataclasses.field(default_factory=list)
+
+    def take(self, size: int) -> memoryview:
+        """The next ``size`` bytes of ``buffer`` (a multiple of 4096), in the gather list."""
+        start = self.used
+        self.used += size
+        last = self.pieces[-1] if self.pieces else None
+        if isinstance(last, tuple) and last[1] == start:
+            self.pieces[-1] = (last[0], self.used)
+        else:
+            self.pieces.append((start, self.used))
+        return self.buffer.view[start : self.used]
+
+    def views(self) -> list[memoryview]:
+        view = self.buffer.view
+        return [p if isinstance(p, memoryview) else view[p[0] : p[1]] for p in self.pieces]
+
+
+class Turn:
+    """Submission order between batches on different threads (``put_many_async``).
+
+    A batch ``wait``s for its turn before its first reservation and passes it on
+    (``done``) once every page of it is reserved, so the batches of one submitter
+    take LSNs, and so win over each other, in the order they were submitted, while
+    each batch's I/O and group commit still overlap the next batch's.
+    """
+
+    __slots__ = ("_cond", "_next", "_taken")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._taken = 0  # tickets handed out
+        self._next = 0  # the ticket whose turn it is
+
+    def ticket(self) -> int:
+        with self._cond:
+            ticket = self._taken
+            self._taken += 1
+            return ticket
+
+    def wait(self, ticket: int) -> None:
+        with self._cond:
+            while self._next != ticket:
+                self._cond.wait()
+
+    def done(self, ticket: int) -> None:
+        with self._cond:
+            if self._next == ticket:
+                self._next += 1
+                self._cond.notify_all()
 
 
 # put_many submits queued writes once this many bytes are waiting: a 1 MiB page
@@ -69,6 +135,21 @@ SUBMIT_BYTES = 256 << 10
 # Records reserved back to back in one segment share a write of up to this many
 # bytes: small pages cost one I/O per 256 KiB instead of one each.
 COALESCE_BYTES = 256 << 10
+# A payload at least this large in writable, 4 KiB-aligned memory is written
+# straight from it (zero copy); smaller ones are cheaper to copy than to gather.
+ZERO_COPY_MIN_BYTES = 16 << 10
+# Gather list entries per write at most (IOV_MAX is 1024).
+_MAX_PIECES = 64
+
+
+def in_place(view: memoryview) -> bool:
+    """Whether ``put`` writes this payload straight from the caller's memory:
+    writable, 4 KiB aligned and at least ``ZERO_COPY_MIN_BYTES`` (docs/design.md,
+    "Write path"). Only the payload's last partial block, if any, is copied."""
+    if view.readonly or view.nbytes < ZERO_COPY_MIN_BYTES:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % BLOCK_BYTES == 0
+
 
 # Throughput windows reported by stats() and the exporter (seconds).
 _THROUGHPUT_WINDOWS_S = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
@@ -182,10 +263,26 @@ class SegmentWriter:
 
     # -- writes --------------------------------------------------------------
 
-    def write(self, prepared: list[tuple[bytes, memoryview, bytes]], started_ns: int) -> None:
+    def write(
+        self,
+        prepared: list[tuple[bytes, memoryview, bytes]],
+        started_ns: int,
+        *,
+        turn: Turn | None = None,
+        ticket: int = 0,
+    ) -> None:
         """Write and publish every (key, payload, meta) of one ``put_many`` call; raise the
         first error after every write in flight has completed (what completed whole is
-        published)."""
+        published).
+
+        A payload ``in_place`` is written straight from the caller's memory (header
+        block, payload, padding block gathered into one write); the others are copied
+        into the write's buffer. With ``turn``, the batch reserves only in its
+        ``ticket``'s turn and passes it on once every page is reserved.
+        """
+        # Checksums first, outside the turn: the next batch hashes while this one's
+        # reservations are taken (xxhash releases the GIL).
+        sums = [checksum(view) for _, view, _ in prepared]
         queue = self._engine.queue()
         in_flight: dict[int, _PendingWrite] = {}
         error: KVStoreError | None = None
@@ -201,7 +298,7 @@ class SegmentWriter:
             write, run = run, None
             token = next(tokens)
             in_flight[token] = write
-            queue.write(write.segment.fd, write.offset, write.buffer.view[: write.length], token)
+            queue.writev(write.segment.fd, write.offset, write.views(), token)
             unsubmitted += write.length
             if unsubmitted >= SUBMIT_BYTES:
                 # Start these writes while the next pages are prepared; small
@@ -218,11 +315,17 @@ class SegmentWriter:
             while queue.in_flight:
                 error = self._complete(queue, in_flight, queue.in_flight) or error
 
+        if turn is not None:
+            turn.wait(ticket)
         try:
-            for key, view, meta in prepared:
+            for (key, view, meta), payload_checksum in zip(prepared, sums, strict=True):
                 size = view.nbytes
                 span = record_span(size)
-                payload_checksum = checksum(view)
+                direct = in_place(view)
+                tail = size % BLOCK_BYTES
+                # Buffer bytes this record takes: the header block (and the last
+                # partial block) when written in place, else the whole record.
+                need = BLOCK_BYTES + (BLOCK_BYTES if tail else 0) if direct else span
                 segment, offset, lsn = self.reserve(
                     span, drain=drain if in_flight or run is not None else None
                 )
@@ -243,7 +346,8 @@ class SegmentWriter:
                 if run is not None and (
                     run.segment is not segment
                     or run.offset + run.length != offset
-                    or run.length + span > run.buffer.capacity
+                    or run.used + need > run.buffer.capacity
+                    or len(run.pieces) + 3 > _MAX_PIECES
                 ):
                     try:
                         queue_run()
@@ -252,7 +356,7 @@ class SegmentWriter:
                         raise
                 if run is None:
                     try:
-                        buffer = self._buffers.acquire(max(span, COALESCE_BYTES))
+                        buffer = self._buffers.acquire(max(need, COALESCE_BYTES))
                     except BaseException:
                         self._abandon_reserved([page])
                         raise
@@ -260,7 +364,7 @@ class SegmentWriter:
                 # Registered before anything else can raise: the cleanup below
                 # releases the reservation of a page that was never submitted.
                 run.pages.append(page)
-                block = run.buffer.view[run.length :]
+                block = run.take(BLOCK_BYTES if direct else span)
                 encode_record_fields_into(
                     block,
                     RECORD_PAGE,
@@ -273,16 +377,28 @@ class SegmentWriter:
                     segment.generation,
                     payload_checksum,
                 )
-                block[BLOCK_BYTES : BLOCK_BYTES + size] = view
-                block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
+                if direct:
+                    whole = size - tail
+                    run.pieces.append(view[:whole])
+                    if tail:
+                        last = run.take(BLOCK_BYTES)
+                        last[:tail] = view[whole:]
+                        last[tail:] = _ZERO_BLOCK[tail:]
+                else:
+                    block[BLOCK_BYTES : BLOCK_BYTES + size] = view
+                    block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
                 run.length += span
                 if run.length >= COALESCE_BYTES:
                     queue_run()
                 if error is not None:
                     break
+            if turn is not None:
+                turn.done(ticket)  # every page is reserved: the next batch may go
             if error is None:
                 queue_run()
         finally:
+            if turn is not None:
+                turn.done(ticket)  # no-op when already passed
             while queue.in_flight:
                 error = self._complete(queue, in_flight, queue.in_flight) or error
             # Reserved but never submitted (an exception above): the open write,

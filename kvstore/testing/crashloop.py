@@ -53,7 +53,12 @@ ones in flight (deletes carry a token for that). Fresh keys are checked once
 after the kill, then deleted. ``--flush-interval-ms 1`` makes the store's
 flusher commit all the time; ``--switch-interval-us``, ``--busy-threads`` and
 ``--busy-procs`` add GIL and CPU pressure; ``--max-page-kib`` caps page sizes for
-more operations per second. ``--engine`` picks the I/O engine of every store the
+more operations per second. ``--pipelined`` makes threads 1..N-1 write their
+batches with ``put_many_async`` (up to three in flight, keys may repeat between
+them; a sync batch is acknowledged when its future is done, docs/design.md,
+"Pipelined batches"); ``--aligned`` hands every page to the store in 4 KiB-aligned
+memory, so pages of 16 KiB and more are written straight from it (zero copy).
+``--engine`` picks the I/O engine of every store the
 loop opens; without it the store's default applies, which ``KVSTORE_IO_ENGINE``
 overrides (the children inherit the environment). Which engine each child ran
 is counted from its ``ready`` line (``engines`` in the summary).
@@ -69,12 +74,14 @@ is counted from its ``ready`` line (``engines`` in the summary).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import faulthandler
 import functools
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import random
 import shutil
@@ -84,6 +91,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +143,14 @@ def page_bytes(key: str, version: int) -> bytes:
     # SHAKE-128 from the standard library: pseudo-random bytes without numpy, whose
     # import was a good part of each child's start-up.
     return hashlib.shake_128(f"page/{key}/{version}".encode()).digest(page_size(key, version))
+
+
+def aligned_copy(data: bytes) -> memoryview:
+    """``data`` in writable, 4 KiB-aligned memory of its own (an anonymous mmap): what
+    the store writes in place, without a copy (``--aligned``)."""
+    region = mmap.mmap(-1, max(len(data), 1) + (-len(data) % 4096))
+    region[: len(data)] = data
+    return memoryview(region)[: len(data)]
 
 
 def page_meta(key: str, version: int) -> dict[str, Any] | None:
@@ -247,14 +263,26 @@ class _Worker:
         self.cycle = int(args.cycle)
         self.fresh_prob = float(args.fresh_prob)
         self.bounded = bool(args.capacity_mib)
+        self.pipelined = bool(args.pipelined)
+        self.aligned = bool(args.aligned)
+        # --pipelined: put_many_async batches not yet done, oldest first.
+        self.in_flight: collections.deque[tuple[Future[list[bool]], list[tuple[str, int]], bool]]
+        self.in_flight = collections.deque()
         self.unacked: list[_Unacked] = []
         self.current: dict[str, int | None] = {}  # what returned last: version, None = deleted
         self.fresh_count = 0
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            while self.in_flight and self.in_flight[0][0].done():
+                self._finish_oldest()
             self.settle()
             r = self.rng.random()
+            if self.pipelined and r < 0.45:
+                self.put_batch(sync=r < 0.3)  # more batches, most of them sync
+                continue
+            # Every other operation is ordered after this thread's batches in flight.
+            self.drain()
             if r < 0.30:
                 self.put_batch(sync=False)
             elif r < 0.45:
@@ -299,20 +327,44 @@ class _Worker:
         batch = [(key, self.next_version()) for key in keys]
         for key, version in batch:
             self.report(f"begin put {key} {version}")
-        self.store.put_many(
-            [(key, page_bytes(key, version), page_meta(key, version)) for key, version in batch],
-            sync=sync,
-        )
+        items = [
+            (key, self.payload(key, version), page_meta(key, version)) for key, version in batch
+        ]
+        if self.pipelined:
+            self.in_flight.append((self.store.put_many_async(items, sync=sync), batch, sync))
+            while len(self.in_flight) > 3:
+                self._finish_oldest()
+            return
+        self.store.put_many(items, sync=sync)
         for key, version in batch:
             self.current[key] = version
             self._returned(key, "put", version, sync)
         if sync:
             self.settle()
 
+    def payload(self, key: str, version: int) -> bytes | memoryview:
+        data = page_bytes(key, version)
+        return aligned_copy(data) if self.aligned else data
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest batch in flight; its pages returned now (acknowledged
+        at once for a sync batch: the future is done only once they are durable)."""
+        future, batch, sync = self.in_flight.popleft()
+        future.result()
+        for key, version in batch:
+            self.current[key] = version
+            self._returned(key, "put", version, sync)
+        if sync:
+            self.settle()
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._finish_oldest()
+
     def put_one(self, *, sync: bool) -> None:
         key, version = self.rng.choice(self.keys), self.next_version()
         self.report(f"begin put {key} {version}")
-        self.store.put(key, page_bytes(key, version), meta=page_meta(key, version), sync=sync)
+        self.store.put(key, self.payload(key, version), meta=page_meta(key, version), sync=sync)
         self.current[key] = version
         self._returned(key, "put", version, sync)
         if sync:
@@ -424,8 +476,9 @@ def child_main(args: argparse.Namespace) -> int:
     for helper in helpers:
         helper.start()
 
-    def put_item(key: str, version: int) -> tuple[str, bytes, dict[str, Any] | None]:
-        return key, page_bytes(key, version), page_meta(key, version)
+    def put_item(key: str, version: int) -> tuple[str, bytes | memoryview, dict[str, Any] | None]:
+        data = page_bytes(key, version)
+        return key, aligned_copy(data) if args.aligned else data, page_meta(key, version)
 
     def ack_put(key: str, version: int) -> None:
         report(f"ack put {key} {version}")
@@ -716,6 +769,8 @@ class LoopConfig:
     busy_threads: int = 0  # CPU-bound Python threads in the child (GIL contention)
     busy_procs: int = 0  # CPU-bound processes beside the loop, for the whole run
     max_page_kib: int | None = None  # cap on page sizes (more operations per second)
+    pipelined: bool = False  # --threads: writer threads 1..N-1 use put_many_async
+    aligned: bool = False  # pages handed over in 4 KiB-aligned memory (zero-copy writes)
     parent_engine: str | None = None  # io_engine of the parent's reopens; None: ``engine``
     # Called with the recovered store and the cycle after the oracle's checks found
     # every key readable (tools/crashloop_fsck.py runs fsck there).
@@ -1265,6 +1320,10 @@ def _child_command(config: LoopConfig, cycle: int, rng: random.Random, hunt: boo
         command += ["--busy-threads", str(config.busy_threads)]
     if config.max_page_kib:
         command += ["--max-page-kib", str(config.max_page_kib)]
+    if config.pipelined:
+        command += ["--pipelined"]
+    if config.aligned:
+        command += ["--aligned"]
     return command
 
 
@@ -1552,6 +1611,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap page sizes (default 1 MiB, mostly 256 KiB): smaller pages, more "
         "operations and group commits per second",
     )
+    parser.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="with --threads: writer threads 1..N-1 write batches with put_many_async, "
+        "up to three in flight",
+    )
+    parser.add_argument(
+        "--aligned",
+        action="store_true",
+        help="hand pages to the store in 4 KiB-aligned memory (zero-copy writes)",
+    )
     parser.add_argument("--stop-on-violation", action="store_true")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     # child mode (internal)
@@ -1619,6 +1689,8 @@ def run_from_args(
         busy_threads=args.busy_threads,
         busy_procs=args.busy_procs,
         max_page_kib=args.max_page_kib,
+        pipelined=args.pipelined,
+        aligned=args.aligned,
         parent_engine=parent_engine,
         after_recovery=after_recovery,
     )

@@ -36,6 +36,7 @@ BAD_VALUES: dict[str, list[Any]] = {
     "direct_io": ["yes", 1, 0.0],
     "io_depth": [2.5, 0, -1, True, "64", 1 << 20, None],
     "read_poll_us": [-1, 1.5, NAN, "10"],
+    "pipeline_depth": [0, -1, 2.5, True, "2", 65, None],
     "lsn_lease_step": [0, -1, 1.5, 1 << 40],
     "eviction_policy": ["random", "", None, 7],
     "low_watermark_segments": [0, -1, 1.5, "2"],
