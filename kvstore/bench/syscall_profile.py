@@ -252,6 +252,18 @@ def profile_puts(args: argparse.Namespace, page_bytes: int, name: str) -> Report
     return _report(name, pages, page_bytes, out, phases, timer, profiler, args.top)
 
 
+def _profile_reads(
+    args: argparse.Namespace, workload: str, pages: int, page_bytes: int, run: Callable[[], None]
+) -> Report:
+    """One read workload, ``run``, measured: its one phase is the whole of it."""
+    timer = SyscallTimer()
+    profiler = cProfile.Profile() if args.cprofile else None
+    with measured(timer, profiler) as out:
+        run()
+    phases = {workload: out["wall_s"]}
+    return _report(workload, pages, page_bytes, out, phases, timer, profiler, args.top)
+
+
 def profile_reads(args: argparse.Namespace) -> list[Report]:
     page_bytes = 256 * KIB
     root = args.dir / "prof-reads"
@@ -271,27 +283,19 @@ def profile_reads(args: argparse.Namespace) -> list[Report]:
         with _open(root, args, create=False) as store:
             store.get_many(rng.sample(keys, 64))  # warm-up
             plan = [rng.sample(keys, 64) for _ in range(max(16, count // 64))]
-            timer = SyscallTimer()
-            profiler = cProfile.Profile() if args.cprofile else None
-            with measured(timer, profiler) as out:
+
+            def get_many(reader: KVStore = store) -> None:
                 for wanted in plan:
-                    store.get_many(wanted)
-            phases = {"get_many": out["wall_s"]}
-            reports.append(
-                _report(
-                    "get_many", len(plan) * 64, page_bytes, out, phases, timer, profiler, args.top
-                )
-            )
+                    reader.get_many(wanted)
+
+            reports.append(_profile_reads(args, "get_many", len(plan) * 64, page_bytes, get_many))
             singles = [rng.choice(keys) for _ in range(min(count, 4096))]
-            timer = SyscallTimer()
-            profiler = cProfile.Profile() if args.cprofile else None
-            with measured(timer, profiler) as out:
+
+            def get(reader: KVStore = store) -> None:
                 for key in singles:
-                    store.get(key)
-            phases = {"get": out["wall_s"]}
-            reports.append(
-                _report("get", len(singles), page_bytes, out, phases, timer, profiler, args.top)
-            )
+                    reader.get(key)
+
+            reports.append(_profile_reads(args, "get", len(singles), page_bytes, get))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return reports

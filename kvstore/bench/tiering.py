@@ -173,20 +173,10 @@ def check_equal(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what:
 def fake_config(dram_pages: int, **overrides: Any) -> TierConfig:
     """The fake mover with an NVMe bookkeeping tier: the manager moves no bytes."""
     options: dict[str, Any] = dict(
-        mover="fake",
-        control_interval_s=0,
-        probe_at_open=False,
-        nvme_path=None,
-        nvme_bytes=1 << 50,
-        hbm_bytes=0,
-        dram_bytes=dram_pages * MIB,
-        page_bytes=MIB,
-        tokens_per_page=8,
-        model=MIB_PAGE_MODEL,
-        admission="all",
+        mover="fake", control_interval_s=0, nvme_path=None, nvme_bytes=1 << 50
     )
     options.update(overrides)
-    return TierConfig(**options)
+    return cpu_config(dram_pages, MIB, **options)
 
 
 def chain(prefix: str, count: int) -> list[bytes]:

@@ -42,6 +42,7 @@ kvstore/testing/ioerrors.py's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -49,7 +50,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,15 @@ def _record(args: argparse.Namespace, trace_dir: Path, trace_seed: int) -> Trace
     )
 
 
+def _traces(args: argparse.Namespace, work: Path, rng: random.Random) -> Iterator[Trace]:
+    """Seeded recordings, one after another; each is removed when the next is asked for."""
+    for number in itertools.count():
+        trace_seed = rng.randrange(1 << 30)
+        trace_dir = work / f"trace-{number}"
+        yield _record(args, trace_dir, trace_seed)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
 def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     policies = POLICIES if args.policy == "all" else (args.policy,)
@@ -116,10 +126,7 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     open_seconds: list[float] = []
     done = 0
     started = time.monotonic()
-    while done < args.cases:
-        trace_seed = rng.randrange(1 << 30)
-        trace_dir = work / f"trace-{traces}"
-        trace = _record(args, trace_dir, trace_seed)
+    for trace in _traces(args, work, rng):
         traces += 1
         record_ops += len(trace.recorder.ops)
         for _ in range(min(args.cases_per_trace, args.cases - done)):
@@ -130,11 +137,12 @@ def run_powerloss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             per_policy[policy] += 1
             acknowledged += result.acknowledged_pages
             open_seconds.append(result.open_seconds)
-            case = {"trace_seed": trace_seed, "cut": cut, "policy": policy}
+            case = {"trace_seed": trace.seed, "cut": cut, "policy": policy}
             found.add(result.violations, case, kinds=True)
             if done % 100 == 0:
                 progress_line(f"{done} cases, violations {found.total}", quiet=args.quiet)
-        shutil.rmtree(trace_dir, ignore_errors=True)
+        if done >= args.cases:
+            break
     open_seconds.sort()
     return {
         "mode": "powerloss",
@@ -160,21 +168,19 @@ def run_double(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     found = _Violations()
     done = traces = 0
     started = time.monotonic()
-    while done < args.cases:
-        trace_seed = rng.randrange(1 << 30)
-        trace_dir = work / f"trace-{traces}"
-        trace = _record(args, trace_dir, trace_seed)
+    for trace in _traces(args, work, rng):
         traces += 1
         for _ in range(min(args.cases_per_trace, args.cases - done)):
             first, second = pairs[done % len(pairs)]
             cut = rng.randint(0, len(trace.recorder.ops))
             violations = run_double_case(trace, cut, first, second, work, rng)
             done += 1
-            case = {"trace_seed": trace_seed, "cut": cut, "policies": [first, second]}
+            case = {"trace_seed": trace.seed, "cut": cut, "policies": [first, second]}
             found.add(violations, case, kinds=True)
             if done % 50 == 0:
                 progress_line(f"{done} cases, violations {found.total}", quiet=args.quiet)
-        shutil.rmtree(trace_dir, ignore_errors=True)
+        if done >= args.cases:
+            break
     return {
         "mode": "double",
         "seed": args.seed,
