@@ -476,7 +476,7 @@ def _run_suite_command(
     if limit is not None and trace_path is None:
         raise ValueError("--limit with --suite cuts the TRACE given; there is none")
     split, seeds = parse_seeds(seeds_text or "tune")
-    variants = [p for p in dict.fromkeys(policies)] or ["kvstore"]
+    variants = list(dict.fromkeys(policies)) or ["kvstore"]
     for name in variants:
         if not is_kvstore(name):
             raise ValueError(
@@ -487,9 +487,11 @@ def _run_suite_command(
     capacities = [parse_capacity(capacity)] if capacity is not None else list(SUITE_CAPACITIES)
     chosen_kinds = list(dict.fromkeys(kinds)) or list(ALL_KINDS)
     traces = [str(trace_path)] if trace_path is not None else []
-    if trace_path is not None:  # fail before hours of replay, not after
+    if request_count == 0:
+        raise ValueError("--requests with --suite must be >= 1: a run needs requests to judge")
+    if trace_path is not None:  # a bad trace fails before the replays, not after them
         try:
-            load_trace(trace_path, limit=1)
+            load_trace(trace_path, limit=limit)
         except OSError as e:
             raise _OperationalError(f"cannot read trace {trace_path}: {e.strerror or e}") from e
     cases = suite_cases(

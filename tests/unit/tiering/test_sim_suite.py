@@ -231,6 +231,7 @@ def test_suite_judges_kvstore_variants_given_with_policy() -> None:
         (["--suite", "--plot", "x.png"], "--plot"),
         (["--suite", "--limit", "5"], "--limit"),
         (["--suite", "--capacity", "0.1,0.2"], "--capacity"),
+        (["--suite", "--requests", "0"], "--requests"),
         (["--generate", "agent", "--seeds", "tune"], "--seeds is an option of --suite"),
         (["--generate", "agent", "--kind", "rag"], "--kind is an option of --suite"),
     ],
