@@ -135,6 +135,9 @@ SUBMIT_BYTES = 256 << 10
 # Records reserved back to back in one segment share a write of up to this many
 # bytes: small pages cost one I/O per 256 KiB instead of one each.
 COALESCE_BYTES = 256 << 10
+# A write that gathers payloads from the caller's memory grows up to this many bytes:
+# it copies only header blocks, so four 256 KiB pages share one I/O and one completion.
+GATHER_BYTES = 1 << 20
 # A payload at least this large in writable, 4 KiB-aligned memory is written
 # straight from it (zero copy); smaller ones are cheaper to copy than to gather.
 ZERO_COPY_MIN_BYTES = 16 << 10
@@ -388,7 +391,7 @@ class SegmentWriter:
                     block[BLOCK_BYTES : BLOCK_BYTES + size] = view
                     block[BLOCK_BYTES + size : span] = _ZERO_BLOCK[: span - BLOCK_BYTES - size]
                 run.length += span
-                if run.length >= COALESCE_BYTES:
+                if run.length >= (GATHER_BYTES if direct else COALESCE_BYTES):
                     queue_run()
                 if error is not None:
                     break
