@@ -6,8 +6,11 @@ no bytes) and models of the peers' policies, on traces read or generated here:
     replay.py   the replay (``run``, ``simulate_kvstore``, ``Machine``, overrides)
     cli.py      the click command (``kvstore sim``, ``python -m kvstore.tiering.sim``)
     peers.py    the peers' policies (vLLM, LMCache, SGLang, Dynamo, Mooncake models)
-    trace.py    Mooncake-format traces: read, generate, the packaged one (data/)
-    plots.py    the frontier plots of ``--plot``
+    trace.py    Mooncake-format traces: read, generate (docs/tiering.md, "Workloads"),
+                the packaged one (data/)
+    suite.py    ``--suite``: every kind x seeds x capacities, judged (docs/tiering.md,
+                "The suite")
+    plots.py    the frontier plots of ``--plot`` and of ``--suite --out``
 
 The tier manager imports none of it. Neither the simulator nor ``kvstore tier stat``
 needs torch.

@@ -598,7 +598,11 @@ def _console(stderr: bool) -> Console:
     help="Also save the generated trace here (Mooncake JSONL). With --suite: a "
     "directory for suite.json and a frontier plot per workload.",
 )
-@click.option("--limit", type=click.IntRange(min=0), help="Replay only the first N requests.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    help="Replay only the first N requests (with --suite: of TRACE).",
+)
 @click.option(
     "--block-tokens",
     default=DEFAULT_BLOCK_TOKENS,
@@ -627,7 +631,8 @@ def _console(stderr: bool) -> Console:
 @click.option(
     "--capacity",
     help="HBM,DRAM,NVMe capacities as fractions of the trace's unique blocks "
-    f"(floored to blocks) [default: {','.join(f'{f:g}' for f in _FRACTIONS)}].",
+    f"(floored to blocks) [default: {','.join(f'{f:g}' for f in _FRACTIONS)}]. "
+    "With --suite: one triple instead of the suite's three.",
 )
 @click.option(
     "--capacity-bytes",
@@ -638,7 +643,8 @@ def _console(stderr: bool) -> Console:
     "policies",
     multiple=True,
     help="A policy to replay (repeatable; default: every peer model and kvstore). "
-    "kvstore:FIELD=VALUE[,FIELD=VALUE] is the manager with TierConfig fields overridden.",
+    "kvstore:FIELD=VALUE[,FIELD=VALUE] is the manager with TierConfig fields overridden. "
+    "With --suite: the kvstore policies to judge [default: kvstore].",
 )
 @click.option(
     "--suite",

@@ -356,7 +356,9 @@ def run_suite(
             out[index] = future.result()
             finished += len(out[index])
             if progress is not None:
-                progress(cases[index].workload, finished)
+                case = cases[index]
+                seeded = case.workload if case.seed is None else f"{case.workload} seed {case.seed}"
+                progress(seeded, finished)
     return [run for runs in out for run in runs]
 
 
