@@ -1,6 +1,7 @@
 """The Nth-I/O error loop (SQLite style) over the store's operations.
 
-For each operation (``put``, ``flush``, ``checkpoint``, ``gc``, ``close``,
+For each operation (``put``, ``put_pipelined`` (``put_many_async`` from aligned memory,
+``sync=True``), ``flush``, ``checkpoint``, ``gc``, ``close``,
 ``open`` = crash recovery on open, ``recover`` = ``kvstore recover``), each
 errno (EIO, ENOSPC) and each mode (a single failure, or every call from the
 Nth on), fail the Nth I/O for N = 1, 2, ... until the operation completes
@@ -16,6 +17,7 @@ without reaching N. Every time:
 from __future__ import annotations
 
 import errno as errno_module
+import mmap
 import os
 import random
 import shutil
@@ -32,7 +34,7 @@ from kvstore.testing.powerloss import RECORD_OPTIONS
 
 __all__ = ["ERRNOS", "OPERATIONS", "LoopResult", "raised_at", "run_loop"]
 
-OPERATIONS = ("put", "flush", "checkpoint", "gc", "close", "open", "recover")
+OPERATIONS = ("put", "put_pipelined", "flush", "checkpoint", "gc", "close", "open", "recover")
 ERRNOS = {"EIO": errno_module.EIO, "ENOSPC": errno_module.ENOSPC}
 
 _OPTIONS: dict[str, Any] = {**RECORD_OPTIONS, "lsn_lease_step": 1 << 20}
@@ -62,6 +64,13 @@ class _Template:
 
 def _value(rng: random.Random, size: int) -> bytes:
     return rng.randbytes(size)
+
+
+def _aligned(value: bytes) -> memoryview:
+    """``value`` in 4 KiB-aligned memory: the store writes it without a copy."""
+    region = mmap.mmap(-1, len(value) + (-len(value) % 4096))
+    region[: len(value)] = value
+    return memoryview(region)[: len(value)]
 
 
 def _build_template(work: Path, operation: str, seed: int) -> _Template:
@@ -143,7 +152,7 @@ def _run_operation(
         return store, pending, None, True
     injector.armed = False
     store = KVStore.open(target, **_OPTIONS)
-    acknowledges = operation in ("flush", "checkpoint", "close")
+    acknowledges = operation in ("flush", "checkpoint", "close", "put_pipelined")
     if operation in ("flush", "checkpoint", "close"):
         for index in range(3):
             key, value = f"new{index}".encode(), _value(rng, 70_000 + index)
@@ -157,6 +166,15 @@ def _run_operation(
                 key, value = f"new{index}".encode(), _value(rng, 100_000)
                 pending[key] = value  # whole or absent, whether or not the put returned
                 store.put(key, value)
+        elif operation == "put_pipelined":
+            # Pages in aligned memory (zero copy), on a pipeline thread, durable when done.
+            futures = []
+            for index in range(3):
+                key, value = f"new{index}".encode(), _value(rng, 100_000 + 4096 * index)
+                pending[key] = value
+                futures.append(store.put_many_async([(key, _aligned(value))], sync=True))
+            for future in futures:
+                future.result()
         elif operation == "flush":
             store.flush()
         elif operation == "checkpoint":

@@ -20,6 +20,7 @@ reopens and checks again (recovery must leave a store that keeps working).
 
 from __future__ import annotations
 
+import mmap
 import random
 import shutil
 import time
@@ -95,8 +96,18 @@ class CaseResult:
 
 class _Workload:
     def __init__(
-        self, store: KVStore, trace: Trace, rng: random.Random, keys: int, prefix: str = "k"
+        self,
+        store: KVStore,
+        trace: Trace,
+        rng: random.Random,
+        keys: int,
+        prefix: str = "k",
+        *,
+        aligned: bool = False,
+        pipelined: bool = False,
     ) -> None:
+        self.aligned = aligned  # values in 4 KiB-aligned memory: written without a copy
+        self.pipelined = pipelined  # batches through put_many_async
         self.store = store
         self.trace = trace
         self.rng = rng
@@ -126,12 +137,23 @@ class _Workload:
         sizes = _EVICTING_VALUE_SIZES if self.trace.evicting else _VALUE_SIZES
         return self.rng.randbytes(self.rng.choice(sizes))
 
+    def payload(self, value: bytes) -> bytes | memoryview:
+        """What the store is handed: ``value`` itself, or a copy in aligned memory."""
+        if not self.aligned:
+            return value
+        region = mmap.mmap(-1, len(value) + (-len(value) % 4096))
+        region[: len(value)] = value
+        return memoryview(region)[: len(value)]
+
     def put(self, key: bytes, sync: bool) -> None:
         value = self.value()
         with self.op("put") as op_id:
             try:
                 self.store.put(
-                    key, value, sync=sync, meta={"n": op_id} if self.rng.random() < 0.3 else None
+                    key,
+                    self.payload(value),
+                    sync=sync,
+                    meta={"n": op_id} if self.rng.random() < 0.3 else None,
                 )
             except StoreFullError:
                 if not self.trace.evicting:
@@ -150,10 +172,17 @@ class _Workload:
             self.put(key, sync=rng.random() < 0.15)
         elif roll < 0.47:
             batch = {k: self.value() for k in rng.sample(self.keys, rng.randint(2, 5))}
+            items = [(k, self.payload(v)) for k, v in batch.items()]
+            sync = self.pipelined and rng.random() < 0.5
             with self.op("put_many") as op_id:
-                store.put_many(list(batch.items()))
+                if self.pipelined:  # written on a pipeline thread; durable when done if sync
+                    store.put_many_async(items, sync=sync).result()
+                else:
+                    store.put_many(items)
                 for k, v in batch.items():
                     self.note_value(op_id, k, v)
+            if sync:
+                self.ack(op_id + 1)
         elif roll < 0.57:
             with self.op("delete") as op_id:
                 was_retained = store.is_retained(key)
@@ -208,9 +237,15 @@ def record_trace(
     key_prefix: str = "k",
     after_open: Callable[[KVStore], None] | None = None,
     capacity_bytes: int | None = None,
+    aligned: bool = False,
+    pipelined: bool = False,
     **options: Any,
 ) -> Trace:
     """Record a random workload on the store at ``root`` (see module doc).
+
+    ``aligned``: values are handed to the store in 4 KiB-aligned memory (pages of 16 KiB
+    and more are written without a copy); ``pipelined``: batches go through
+    ``put_many_async`` (half of them sync, acknowledged when done).
 
     With ``create`` a fresh store is made first; otherwise the store there is
     opened (and recovered) under the recorder, ``after_open`` sees it before
@@ -231,7 +266,9 @@ def record_trace(
         try:
             if after_open is not None:
                 after_open(store)
-            workload = _Workload(store, trace, rng, keys, key_prefix)
+            workload = _Workload(
+                store, trace, rng, keys, key_prefix, aligned=aligned, pipelined=pipelined
+            )
             for _ in range(steps):
                 workload.step()
             for pinned in workload.pins:

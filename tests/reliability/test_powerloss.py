@@ -124,3 +124,32 @@ def test_crash_during_recovery_changes_nothing_recovery_showed(
         first, second = POLICIES[index % 3], POLICIES[index // 3]
         violations = run_double_case(trace, cut, first, second, tmp_path, rng, steps=20)
         assert violations == [], (first, second, cut, violations)
+
+
+@pytest.fixture(scope="module")
+def zero_copy_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
+    """The same workload with its values in 4 KiB-aligned memory (pages of 16 KiB and
+    more written without a copy) and its batches through put_many_async."""
+    return record_trace(
+        tmp_path_factory.mktemp("powerloss-zero-copy") / "store",
+        seed=20261204,
+        steps=140,
+        aligned=True,
+        pipelined=True,
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_power_loss_on_the_zero_copy_pipelined_path(
+    zero_copy_trace: Trace, policy: str, tmp_path: Path
+) -> None:
+    trace = zero_copy_trace
+    names = {op.note[2] for op in trace.recorder.ops if op.kind == "mark" and op.note[0] == "begin"}
+    assert "put_many" in names
+    rng = random.Random(policy)
+    acknowledged = 0
+    for cut in _cuts(trace, CASES_PER_POLICY, seed=7 + len(policy)):
+        result = run_case(trace, cut, policy, tmp_path, rng, reopen=cut % 3 == 0)
+        assert result.violations == [], (policy, cut, result.violations)
+        acknowledged += result.acknowledged_pages
+    assert acknowledged > CASES_PER_POLICY
