@@ -235,3 +235,22 @@ def test_get_many_async_and_get_many_into_async(tmp_path: Path, engine_kind: str
             store.get_many_into_async(keys, targets[:2])
         with pytest.raises(TypeError):
             store.get_many_into_async(keys[:1], [b"read-only"])
+
+
+def test_a_torch_arena_slot_is_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tier manager hands ``slot.numpy()`` of its 4 KiB-aligned arena to put_many:
+    written straight from the slot."""
+    torch = pytest.importorskip("torch")
+    backing = torch.empty(3 * (64 << 10) + 4096, dtype=torch.uint8)
+    start = -backing.data_ptr() % 4096
+    arena = backing[start : start + 3 * (64 << 10)]
+    arena.copy_(torch.randint(0, 256, (arena.numel(),), dtype=torch.uint8))
+    slots = [arena[i * (64 << 10) : (i + 1) * (64 << 10)] for i in range(3)]
+    spy = _GatherSpy(monkeypatch)
+    with _open(tmp_path / "s", "threadpool") as store:
+        store.put_many([(b"s%d" % i, slot.numpy(), None) for i, slot in enumerate(slots)])
+        assert sorted(address for address, _ in spy.pieces) == [s.data_ptr() for s in slots]
+        for i, slot in enumerate(slots):
+            assert store.get(b"s%d" % i) == bytes(slot.numpy())
