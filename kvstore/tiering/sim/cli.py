@@ -6,6 +6,9 @@ the JSON object are ``kvstore.tiering.sim.run``'s; ``--json`` prints that object
 unchanged, so the table and the JSON never disagree. ``--suite`` runs the
 held-out suite of ``suite.py`` (docs/tiering.md, "The suite"): a table of
 pass/fail per run, ``--json``, a frontier plot per workload into ``--out DIR``.
+``--nodes`` replays the trace across serving nodes with and without a shared tier
+(``cluster.py``; docs/tiering.md, "Beyond one machine, by simulation"): a table per
+(nodes, routing), ``--json`` (``run_cluster``'s object), ``--plot`` against nodes.
 
 The progress bar and, with ``--json``, the table go to stderr: stdout is then
 exactly one JSON document.
@@ -14,7 +17,9 @@ Exit codes (the house's, kvstore/clikit.py):
     0  success
     2  usage: a bad --capacity, --capacity-bytes, --policy, --model or machine
        figure; TRACE and --generate both given, or neither; with --suite, a bad
-       --seeds, an option the suite does not take, a policy that is not kvstore's
+       --seeds, an option the suite does not take, a policy that is not kvstore's;
+       with --nodes, a bad node count, routing, shared capacity or network figure,
+       --suite, more than one policy or a peer's; a --nodes option without --nodes
     8  operational: the trace file is missing, unreadable or not a valid trace
        (the message names the line and field), --out or --plot cannot be written
 
@@ -53,11 +58,21 @@ from kvstore.clikit import (
 )
 from kvstore.errors import KVStoreError
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost
+from kvstore.tiering.sim.cluster import (
+    DEFAULT_NETWORK,
+    DEFAULT_SHARED_FRACTION,
+    MAX_NODES,
+    ROUTINGS,
+    Network,
+    cluster_replays,
+    run_cluster,
+)
 from kvstore.tiering.sim.peers import POLICIES
 from kvstore.tiering.sim.plots import (
     FrontierNote,
     frontier_notes,
     is_kvstore,
+    plot_cluster,
     plot_results,
     plot_workload,
 )
@@ -93,7 +108,10 @@ __all__ = [
     "main",
     "parse_capacity",
     "parse_capacity_bytes",
+    "parse_nodes",
+    "parse_routings",
     "render",
+    "render_cluster",
     "render_suite",
     "sim",
     "validate_policies",
@@ -171,6 +189,60 @@ def _three(text: str, option: str) -> list[str]:
     if len(parts) != 3 or not all(parts):
         raise ValueError(f"{option} {text!r}: need three comma-separated values: HBM,DRAM,NVMe")
     return parts
+
+
+def parse_nodes(text: str) -> list[int]:
+    """``"2,8,64"`` -> node counts, each 1..MAX_NODES, ascending, duplicates dropped."""
+    counts: set[int] = set()
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise ValueError(f"--nodes {text!r}: need node counts separated by commas, e.g. 2,8,64")
+    for part in parts:
+        if not (part.isascii() and part.isdigit()):
+            raise ValueError(f"--nodes {text!r}: {part!r} is not a whole number of nodes")
+        count = int(part)
+        if not 1 <= count <= MAX_NODES:
+            raise ValueError(f"--nodes {text!r}: a node count must be 1..{MAX_NODES}, got {count}")
+        counts.add(count)
+    return sorted(counts)
+
+
+def parse_routings(texts: Sequence[str]) -> list[str]:
+    """``("random,session", "prefix")`` -> routings in the order given, duplicates
+    dropped; none given: every routing."""
+    chosen: list[str] = []
+    for text in texts:
+        for part in (p.strip() for p in text.split(",")):
+            if part not in ROUTINGS:
+                raise ValueError(
+                    f"--routing {text!r}: {part!r} is not a routing; known: {', '.join(ROUTINGS)}"
+                )
+            if part not in chosen:
+                chosen.append(part)
+    return chosen or list(ROUTINGS)
+
+
+def parse_fraction(option: str, text: str) -> float:
+    """One capacity fraction: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{option} {text!r}: a fraction must be finite and >= 0")
+    return value
+
+
+def parse_size(option: str, text: str) -> int:
+    """One size, read as each of ``--capacity-bytes``'s three is."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{option} {text!r}: not a size "
+            "(a number of bytes, or with a unit: KiB MiB GiB TiB, KB MB GB TB)"
+        )
+    return math.floor(Fraction(match.group(1)) * _UNITS[unit])
 
 
 def validate_policies(
@@ -541,6 +613,186 @@ def _run_suite_command(
     return runs, document
 
 
+# -- across nodes ----------------------------------------------------------------
+
+
+def _blocks_and_bytes(blocks: int, page: int) -> str:
+    return f"{blocks:,} ({_bytes(blocks * page)})"
+
+
+def render_cluster(document: Mapping[str, Any], console: Console) -> None:
+    """Print ``run_cluster``'s object: what each node and the pool hold, then a pair
+    of rows per (nodes, routing): without the shared tier and with it."""
+    page = int(document["page_bytes"])
+    shared = document["shared"]
+    sessions = document.get("sessions")
+    console.print(
+        f"[bold]kvstore sim[/bold] {escape(str(document['trace']))} across nodes: "
+        f"{document['requests']:,} requests, {document['block_accesses']:,} block accesses, "
+        f"{document['unique_blocks']:,} unique blocks (an infinite cache hits "
+        f"{document['max_hit_ratio']:.1%})"
+        + (f"; {sessions:,} sessions derived" if sessions is not None else "")
+        + f"; policy {escape(str(document['policy']))}"
+    )
+    seen: set[int] = set()
+    for entry in document["configurations"]:
+        if entry["nodes"] in seen:
+            continue
+        seen.add(entry["nodes"])
+        h, d, n = entry["capacity_blocks_per_node"]
+        console.print(
+            f"  {entry['nodes']} node{'s' if entry['nodes'] != 1 else ''}: each node HBM "
+            f"{_blocks_and_bytes(h, page)}, DRAM {_blocks_and_bytes(d, page)}, NVMe "
+            f"{_blocks_and_bytes(n, page)} blocks",
+            highlight=False,
+        )
+    machine = document["machine"]
+    console.print(
+        f"  the shared pool: {_blocks_and_bytes(shared['capacity_blocks'], page)} blocks, "
+        f"network {shared['network_gbps']:g} GB/s, {shared['network_latency_s'] * 1e6:g} µs "
+        f"per batch; κ remote {shared['kappa_remote']:.2f} (DRAM {machine['kappa_dram']:.2f}, "
+        f"NVMe {machine['kappa_nvme']:.2f})",
+        highlight=False,
+    )
+    table = Table()
+    for column in (
+        "nodes",
+        "routing",
+        "pool",
+        "hit ratio",
+        "HBM",
+        "DRAM",
+        "NVMe",
+        "remote",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "NVMe blocks written",
+        "net read",
+        "net written",
+        "busiest",
+    ):
+        left = column in ("routing", "pool")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+    for entry in document["configurations"]:
+        for label, key in (("no", "without_shared"), ("yes", "with_shared")):
+            side = entry[key]
+            tiers = side["hit_ratio_by_tier"]
+            remote = tiers.get("remote")
+            table.add_row(
+                f"{entry['nodes']:,}",
+                escape(entry["routing"]),
+                label,
+                f"{side['hit_ratio']:.4f}",
+                f"{tiers['hbm']:.3f}",
+                f"{tiers['dram']:.3f}",
+                f"{tiers['nvme']:.3f}",
+                "-" if remote is None else f"{remote:.3f}",
+                _milliseconds(side["ttft_p50_s"]),
+                _milliseconds(side["ttft_p99_s"]),
+                f"{side['nvme_blocks_written']:,}",
+                _bytes(side["network_bytes_read"]),
+                _bytes(side["network_bytes_written"]),
+                f"{entry['busiest_node_share']:.1%}",
+            )
+    console.print(table)
+    wall = sum(float(entry["wall_s"]) for entry in document["configurations"])
+    console.print(
+        "One replay per (nodes, routing) gives both rows: the pool changes what a miss "
+        "costs, not what a node holds. busiest: the busiest node's share of the requests. "
+        f"{len(document['configurations'])} replays in {wall:.1f} s.",
+        highlight=False,
+    )
+
+
+_CLUSTER_OPTIONS = (
+    ("--routing", "routings"),
+    ("--shared-capacity", "shared_capacity"),
+    ("--shared-capacity-bytes", "shared_capacity_bytes"),
+    ("--net-gbps", "net_gbps"),
+    ("--net-latency-us", "net_latency_us"),
+)
+
+
+def _run_cluster_command(
+    *,
+    nodes_text: str,
+    routings: tuple[str, ...],
+    shared_capacity: str | None,
+    shared_capacity_bytes: str | None,
+    net_gbps: float | None,
+    net_latency_us: float | None,
+    capacity: str | None,
+    capacity_bytes: str | None,
+    policies: tuple[str, ...],
+    trace_path: Path | None,
+    kind: str | None,
+    seed: int,
+    request_count: int | None,
+    limit: int | None,
+    out: Path | None,
+    model: ModelCost,
+    block_tokens: int,
+    machine: Machine,
+) -> dict[str, Any]:
+    """``kvstore sim --nodes``: check every option, then replay (module docstring)."""
+    nodes = parse_nodes(nodes_text)
+    chosen_routings = parse_routings(routings)
+    if capacity is not None and capacity_bytes is not None:
+        raise ValueError("give --capacity or --capacity-bytes, not both")
+    capacity_kwargs: dict[str, Any] = {}
+    if capacity_bytes is not None:
+        capacity_kwargs["capacity_bytes"] = parse_capacity_bytes(capacity_bytes)
+    elif capacity is not None:
+        capacity_kwargs["capacity_fractions"] = parse_capacity(capacity)
+    if shared_capacity is not None and shared_capacity_bytes is not None:
+        raise ValueError("give --shared-capacity or --shared-capacity-bytes, not both")
+    if shared_capacity_bytes is not None:
+        capacity_kwargs["shared_bytes"] = parse_size(
+            "--shared-capacity-bytes", shared_capacity_bytes
+        )
+    elif shared_capacity is not None:
+        capacity_kwargs["shared_fraction"] = parse_fraction("--shared-capacity", shared_capacity)
+    _positive("--net-gbps", net_gbps)
+    if net_latency_us is not None and not (math.isfinite(net_latency_us) and net_latency_us >= 0):
+        raise ValueError(f"--net-latency-us must be a finite number >= 0, got {net_latency_us}")
+    network = Network(
+        gbps=DEFAULT_NETWORK.gbps if net_gbps is None else net_gbps,
+        latency_s=DEFAULT_NETWORK.latency_s if net_latency_us is None else net_latency_us * 1e-6,
+    )
+    chosen = validate_policies(policies, model, block_tokens, machine) or ["kvstore"]
+    if len(chosen) > 1 or not is_kvstore(chosen[0]):
+        raise ValueError(
+            f"--policy with --nodes: each node runs one tier manager; give kvstore or one "
+            f"kvstore:FIELD=VALUE,... (got {', '.join(chosen)})"
+        )
+    requests, trace_name = _requests(
+        trace_path, kind, seed, request_count, limit, block_tokens, out
+    )
+    total = len(requests) * cluster_replays(nodes, chosen_routings)
+    with progress_bar(transient=True) as progress:
+        task = progress.add_task("replaying", total=total)
+
+        def on_progress(label: str, done: int) -> None:
+            progress.update(task, completed=done, description=f"replaying {label}")
+
+        document = run_cluster(
+            requests,
+            nodes=nodes,
+            routings=chosen_routings,
+            network=network,
+            model=model,
+            block_tokens=block_tokens,
+            machine=machine,
+            policy=chosen[0],
+            seed=seed,
+            trace_name=trace_name,
+            progress=on_progress,
+            **capacity_kwargs,
+        )
+        progress.update(task, completed=total)
+    return document
+
+
 # -- the command ---------------------------------------------------------------
 
 
@@ -582,7 +834,9 @@ def _console(stderr: bool) -> Console:
     type=click.Choice(ALL_KINDS),
     help='Replay a synthetic trace of this kind instead of TRACE (docs/tiering.md, "Workloads").',
 )
-@click.option("--seed", default=0, show_default=True, help="Seed of --generate.")
+@click.option(
+    "--seed", default=0, show_default=True, help="Seed of --generate (and of --routing random)."
+)
 @click.option(
     "--requests",
     "request_count",
@@ -676,12 +930,54 @@ def _console(stderr: bool) -> Console:
     type=click.IntRange(min=1),
     help="Processes for --suite (one per workload and seed at a time).",
 )
+@click.option(
+    "--nodes",
+    "nodes_text",
+    metavar="N[,N...]",
+    help="Replay across N serving nodes (e.g. 2,8,64; 1.."
+    f"{MAX_NODES}), each with its own tier manager, with and without a shared "
+    'cluster tier (docs/tiering.md, "Beyond one machine, by simulation"). --capacity '
+    "is then the whole cluster's, 1/N per node; --capacity-bytes is per node.",
+)
+@click.option(
+    "--routing",
+    "routings",
+    multiple=True,
+    metavar="random|session|prefix",
+    help="With --nodes: how requests reach nodes (repeatable or comma-separated) "
+    "[default: all three].",
+)
+@click.option(
+    "--shared-capacity",
+    metavar="FRACTION",
+    help="With --nodes: the shared pool's capacity as a fraction of the trace's unique "
+    f"blocks [default: {DEFAULT_SHARED_FRACTION:g}]; 0 is no pool.",
+)
+@click.option(
+    "--shared-capacity-bytes",
+    metavar="SIZE",
+    help="With --nodes: the shared pool's capacity in bytes, e.g. 2TiB (instead of "
+    "--shared-capacity).",
+)
+@click.option(
+    "--net-gbps",
+    type=float,
+    help="With --nodes: each node's network bandwidth to the pool, GB/s "
+    f"[default: {DEFAULT_NETWORK.gbps:g}].",
+)
+@click.option(
+    "--net-latency-us",
+    type=float,
+    help="With --nodes: a pool read batch's latency, µs "
+    f"[default: {DEFAULT_NETWORK.latency_s * 1e6:g}].",
+)
 @click.option("--json", "as_json", is_flag=True, help="JSON on stdout; the table goes to stderr.")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write a PNG: hit ratio against NVMe writes with the Pareto frontier, and "
-    "hit ratio by tier.",
+    "hit ratio by tier. With --nodes: hit ratio and TTFT against nodes, with and "
+    "without the shared tier.",
 )
 def sim(
     trace_path: Path | None,
@@ -702,6 +998,12 @@ def sim(
     seeds_text: str | None,
     kinds: tuple[str, ...],
     jobs: int,
+    nodes_text: str | None,
+    routings: tuple[str, ...],
+    shared_capacity: str | None,
+    shared_capacity_bytes: str | None,
+    net_gbps: float | None,
+    net_latency_us: float | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -721,6 +1023,11 @@ def sim(
     (a) TTFT p50 <= 1.01x, (b) hit ratio within 0.5 pp, (c) NVMe blocks
     written <= 2x the fewest of the peers with as many hits (within 0.5 pp).
 
+    --nodes N[,N...] replays the trace across N nodes, a tier manager each, routed
+    by --routing random|session|prefix, and reports each with and without a
+    shared pool (--shared-capacity, --net-gbps, --net-latency-us): hit ratio by
+    local tier and remote, TTFT p50/p99, NVMe writes, network bytes.
+
     \b
     Exit codes:
       0  success (a suite that ran, whatever its verdicts)
@@ -736,6 +1043,12 @@ def sim(
             ("--tflops", tflops),
         ):
             _positive(option, value)
+        if nodes_text is None:
+            for option, name in _CLUSTER_OPTIONS:
+                if _given(name):
+                    raise ValueError(f"{option} is an option of --nodes")
+        elif suite:
+            raise ValueError("--nodes and --suite are different runs: give one of the two")
         machine = Machine(
             nvme_gbps=_MACHINE.nvme_gbps if nvme_gbps is None else nvme_gbps,
             pcie_gbps=_MACHINE.pcie_gbps if pcie_gbps is None else pcie_gbps,
@@ -769,6 +1082,39 @@ def sim(
         render_suite(runs, document, table_console)
         if out is not None:
             table_console.print(f"wrote {escape(str(out))}/", highlight=False)
+        if as_json:
+            sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        return
+    if nodes_text is not None:
+        with _failures(as_json):
+            document = _run_cluster_command(
+                nodes_text=nodes_text,
+                routings=routings,
+                shared_capacity=shared_capacity,
+                shared_capacity_bytes=shared_capacity_bytes,
+                net_gbps=net_gbps,
+                net_latency_us=net_latency_us,
+                capacity=capacity,
+                capacity_bytes=capacity_bytes,
+                policies=policies,
+                trace_path=trace_path,
+                kind=kind,
+                seed=seed,
+                request_count=request_count,
+                limit=limit,
+                out=out,
+                model=model,
+                block_tokens=block_tokens,
+                machine=machine,
+            )
+            if plot is not None:
+                try:
+                    plot_cluster(document, plot)
+                except OSError as e:
+                    raise _OperationalError(f"cannot write plot {plot}: {e.strerror or e}") from e
+        render_cluster(document, table_console)
+        if plot is not None:
+            table_console.print(f"wrote {escape(str(plot))}", highlight=False)
         if as_json:
             sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return

@@ -9,7 +9,8 @@ writes nothing, so it would dominate every real policy and hide the trade-off;
 recomputing everything is the trivial corner).
 
 ``frontier_notes`` is what the table and the plot both mark, so the two always
-agree. matplotlib (Agg backend) is imported only by ``plot_results``.
+agree. matplotlib (Agg backend) is imported only by the plotting functions.
+``plot_cluster`` draws ``kvstore sim --nodes`` (hit ratio and TTFT against nodes).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "frontier_notes",
     "is_kvstore",
     "pareto_frontier",
+    "plot_cluster",
     "plot_results",
     "plot_workload",
 ]
@@ -327,3 +329,68 @@ def _draw_bars(axis: Any, results: Sequence[Mapping[str, Any]], max_hit_ratio: f
     axis.set_title("where the hits were served from", fontsize=9)
     axis.grid(True, axis="x", alpha=0.3)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=4, fontsize=8)
+
+
+_ROUTING_COLOURS = {"random": "#1f77b4", "session": "#2ca02c", "prefix": "#d62728"}
+
+
+def plot_cluster(document: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write a PNG of ``kvstore sim --nodes`` (``run_cluster``'s object) to ``path``:
+    hit ratio, TTFT p50 and TTFT p99 against the node count, a colour per routing,
+    solid with the shared tier and dashed without it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries: list[Mapping[str, Any]] = list(document["configurations"])
+    nodes = sorted({int(e["nodes"]) for e in entries})
+    # A one-node point (routing "any": every routing is the same there) is on every line.
+    routings = list(dict.fromkeys(str(e["routing"]) for e in entries if e["routing"] != "any"))
+    routings = routings or ["any"]
+    figure, axes = plt.subplots(1, 3, figsize=(16, 5))
+    panels = (
+        ("hit ratio", "hit_ratio", 1.0),
+        ("TTFT p50 (ms)", "ttft_p50_s", 1e3),
+        ("TTFT p99 (ms)", "ttft_p99_s", 1e3),
+    )
+    try:
+        for axis, (label, key, scale) in zip(axes, panels, strict=True):
+            for routing in routings:
+                mine = sorted(
+                    (e for e in entries if e["routing"] in (routing, "any")),
+                    key=lambda e: int(e["nodes"]),
+                )
+                xs = [int(e["nodes"]) for e in mine]
+                colour = _ROUTING_COLOURS.get(routing, "#555555")
+                for side, style, name in (
+                    ("with_shared", "-", "with the shared tier"),
+                    ("without_shared", "--", "without"),
+                ):
+                    ys = [float(e[side][key]) * scale for e in mine]
+                    axis.plot(xs, ys, style, marker="o", color=colour, label=f"{routing}, {name}")
+            if key == "hit_ratio":
+                axis.axhline(
+                    float(document["max_hit_ratio"]),
+                    color="#888888",
+                    linestyle=":",
+                    label="infinite cache",
+                )
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(nodes)
+            axis.set_xticklabels([str(n) for n in nodes])
+            axis.set_xlabel("nodes")
+            axis.set_ylabel(label)
+            axis.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=8)
+        shared = document["shared"]
+        figure.suptitle(
+            f"{document['trace']}: {document['requests']:,} requests across nodes; "
+            f"shared pool {int(shared['capacity_blocks']):,} blocks, "
+            f"{float(shared['network_gbps']):g} GB/s",
+            fontsize=10,
+        )
+        figure.tight_layout()
+        figure.savefig(os.fspath(path), format="png", dpi=100)
+    finally:
+        plt.close(figure)
