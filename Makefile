@@ -42,8 +42,9 @@ $(BIN)/.installed: pyproject.toml tools/check_toolchain.sh
 	$(WARM_LIBURING)
 	touch $@
 
+# The cluster extra: Mooncake Store's client and master (the remote tier's tests, CI).
 $(BIN)/.dev-installed: $(BIN)/.installed pyproject.toml
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -e '.[dev,cluster]'
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	$(WARM_LIBURING)
 	touch $@

@@ -34,6 +34,26 @@ VALUE_FORMULAS = ("expected", "charged")
 _VALUE_FORMULA_ALIASES = {"seed001": "charged"}
 
 
+def _check_remote(config: TierConfig) -> None:
+    if not isinstance(config.remote_backend, str) or not config.remote_backend:
+        raise ValueError(f"remote_backend must be a backend name, got {config.remote_backend!r}")
+    if config.mover == "fake":
+        raise ValueError("the fake mover moves no bytes: it cannot serve a remote tier")
+    if not isinstance(config.remote_namespace, str) or not config.remote_namespace:
+        raise ValueError(
+            "remote_namespace must name what the pages are (model, dtype, parallel layout): "
+            "two nodes share a page only under the same namespace"
+        )
+    if not (_finite(config.remote_deadline_s) and config.remote_deadline_s > 0):
+        raise ValueError(f"remote_deadline_s must be > 0, got {config.remote_deadline_s!r}")
+    if not (_finite(config.remote_health_s) and config.remote_health_s > 0):
+        raise ValueError(f"remote_health_s must be > 0, got {config.remote_health_s!r}")
+    if not (_finite(config.remote_tau) and config.remote_tau >= 0):
+        raise ValueError(f"remote_tau must be finite and >= 0, got {config.remote_tau!r}")
+    for name in ("remote_max_pages", "remote_workers"):
+        _positive_int(name, getattr(config, name))
+
+
 def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -171,6 +191,19 @@ class TierConfig:
     bandwidth_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
     latency_s: Mapping[str, float] = field(default_factory=dict)
     probe_at_open: bool = True
+    # The remote tier (docs/tiering.md, "The remote tier"): a cluster store below NVMe,
+    # shared by the nodes. None: no remote tier. remote_options go to the backend
+    # ("mooncake": master, hostname, segment_bytes, ...); remote_namespace keeps models,
+    # dtypes, parallel layouts apart (the engine adapters derive it); a remote call past
+    # remote_deadline_s is given up on (its pages are late misses).
+    remote_backend: str | None = None
+    remote_options: Mapping[str, Any] = field(default_factory=dict)
+    remote_namespace: str = ""
+    remote_deadline_s: float = 2.0
+    remote_max_pages: int = 64  # pages one lookup asks the cluster for
+    remote_workers: int = 2  # threads making the remote calls
+    remote_health_s: float = 1.0  # a health call this often (reconnects a degraded tier)
+    remote_tau: float = 0.0  # publish at value density >= this (s of recompute per byte)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -242,6 +275,8 @@ class TierConfig:
             raise ValueError("the fake mover moves no bytes: it cannot serve a real nvme_path")
         if self.clock is not None and self.mover != "fake":
             raise ValueError("clock= is the fake mover's virtual clock; set mover='fake'")
+        if self.remote_backend is not None:
+            _check_remote(self)
         for path, value in self.bandwidth_bytes_per_s.items():
             if not (_finite(value) and value > 0):
                 raise ValueError(

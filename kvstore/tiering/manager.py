@@ -26,6 +26,7 @@ by the store on every read (R5): a failed read drops the page, never serves it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -39,12 +40,14 @@ from kvstore.tiering.completions import Demotion, Load, OfferCopy, Probe, Read, 
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import Compute, CostModel, class_priors
 from kvstore.tiering.evict import Eviction
+from kvstore.tiering.latency import OFFLOAD_BUCKETS_S, OffloadLatency
 from kvstore.tiering.loads import Loads
 from kvstore.tiering.measure import Measurements
 from kvstore.tiering.mover_api import Path, Ticket
 from kvstore.tiering.nvme import META_TAG
 from kvstore.tiering.pages import DRAM, HBM, NVME, PageState, page_key
 from kvstore.tiering.placement import Placement
+from kvstore.tiering.remote_tier import open_remote
 from kvstore.tiering.restart import Restart
 from kvstore.tiering.results import (
     UNBOUNDED_BYTES,
@@ -63,10 +66,8 @@ from kvstore.tiering.statsfile import (
 )
 from kvstore.tiering.value import Valuation
 
-__all__ = ["META_TAG", "STATS_FILE", "STATS_VERSION", "TierManager"]
+__all__ = ["META_TAG", "OFFLOAD_BUCKETS_S", "STATS_FILE", "STATS_VERSION", "TierManager"]
 
-
-OFFLOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5)
 _HEAT_PAGES = 100_000  # pages whose heat is persisted (the hottest)
 _NO_CONTEXT = RequestContext()
 _READY = PageState.READY
@@ -137,7 +138,7 @@ class TierManager:
         self._capacity, self._readable_mask = capacity, state.readable_mask
         self._reuse, self._tau = self._value.reuse, self._value.tau
         self._bump = state.bump
-        self._latency: dict[str, list[float]] = {}
+        self._latency = OffloadLatency()
         self._last_persist = self._now()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -203,9 +204,11 @@ class TierManager:
             now=self._now,
         )
         # The statistics file's save, under its name of old (tests and harnesses).
-        self._stats_snapshot = self._restart.snapshot
+        self._stats_snapshot = self._snapshot
         self._write_stats = self._restart.write
         self._last_error: str | None = None
+        # The remote tier (docs/tiering.md, "The remote tier"); None without one.
+        self._remote = open_remote(config, state, self._value, backends, self.cost, self._evict)
         try:
             if nvme.store is not None:
                 self._restart.rebuild()
@@ -255,6 +258,8 @@ class TierManager:
     def _close_resources(self) -> None:
         with contextlib.suppress(Exception):
             self._mover.close()
+        if self._remote is not None:
+            self._remote.close()
         self._nvme.close()
 
     def _check_open(self) -> None:
@@ -287,7 +292,11 @@ class TierManager:
         with self._lock:
             self._check_open()
             self._harvest()
-            return self._loads.lookup(keys, ctx, tokens)
+            result = self._loads.lookup(keys, ctx, tokens)
+            if self._remote is not None and result.hit_pages < len(keys):
+                pending = self._remote.lookup(keys, result.hit_pages, self._now())
+                return dataclasses.replace(result, remote_pending=pending)
+            return result
 
     def prepare_load(
         self,
@@ -492,6 +501,8 @@ class TierManager:
             ):
                 self._value.admit_epoch += 1
             self._evict.cycle(now, usage)
+            if self._remote is not None:
+                self._remote.step()
             self._loads.retry_fetches()
             self._loads.warm_step()
             self._update_gates()
@@ -538,7 +549,9 @@ class TierManager:
             with self._lock:
                 # In flight before the harvest: a ticket that lands between the harvest
                 # and the check would otherwise be left unharvested.
-                busy = self._mover.in_flight_bytes() > 0
+                busy = self._mover.in_flight_bytes() > 0 or bool(
+                    self._remote and self._remote.busy()
+                )
                 self._harvest()
                 busy = busy or self._mover.in_flight_bytes() > 0
             if not busy:
@@ -579,10 +592,7 @@ class TierManager:
                 nvme_pages_written=self._evict.nvme_written[0],
                 load_failures=self._counters.get("load_failures", 0),
                 load_failure_reasons=self._state.prefixed("load_failure:"),
-                offload_latency_s={
-                    k: (OFFLOAD_BUCKETS_S, tuple(int(c) for c in v[:-2]), v[-2], int(v[-1]))
-                    for k, v in self._latency.items()
-                },
+                offload_latency_s=self._latency.snapshot(),
                 page_table_bytes=self._state.page_table_bytes(),
                 mover=type(self._mover).__name__,
                 placement=self.config.placement,
@@ -593,6 +603,7 @@ class TierManager:
                     bool(self._capacity[DRAM]) and kappa[DRAM] >= 1.0,
                     bool(self._capacity[NVME]) and kappa[NVME] >= 1.0,
                 ),
+                remote=self._remote.summary() if self._remote is not None else None,
             )
 
     def metrics_registry(self) -> Any:
@@ -617,6 +628,7 @@ class TierManager:
         """Process completed tickets (R6: before any eviction decision); how many."""
         tickets = self._mover.poll()
         now = self._now() if tickets else 0.0
+        done = 0 if self._remote is None else self._remote.harvest(self._now())
         for ticket in tickets:
             tag = ticket.tag
             if tag is None:
@@ -631,7 +643,7 @@ class TierManager:
                 ) > 0.01 * max(before[1], 1e-9)
                 if moved:
                     self._value.invalidate()
-                self._observe_latency(ticket.path, seconds)
+                self._latency.observe(ticket.path, seconds)
             try:
                 self._complete(ticket, tag)
             except Exception as e:  # the other tickets of this poll must still land
@@ -639,11 +651,13 @@ class TierManager:
                 self._last_error = f"completion of {type(tag).__name__}: {e!r}"
                 if isinstance(tag, Probe):
                     self._measure.probe_failed(tag)
-        return len(tickets)
+        return len(tickets) + done
 
     def _complete(self, ticket: Ticket, tag: object) -> None:
         if isinstance(tag, OfferCopy):
             self._place.offer_done(ticket, tag.recs, tag.tier)
+            if self._remote is not None and tag.tier == DRAM and ticket.error is None:
+                self._remote.offered(tag.recs)
         elif isinstance(tag, Demotion):
             self._evict.demote_done(ticket, tag.recs, tag.keep)
         elif isinstance(tag, WriteBack):
@@ -655,32 +669,15 @@ class TierManager:
         elif isinstance(tag, Probe):
             self._measure.probe_done(ticket, tag.path, tag.rate_before)
 
-    def _observe_latency(self, path: Path, seconds: float) -> None:
-        key = _LATENCY_KEYS.get(path)
-        if key is None:
-            return
-        row = self._latency.get(key)
-        if row is None:
-            row = self._latency[key] = [0.0] * (len(OFFLOAD_BUCKETS_S) + 2)
-        for i, bound in enumerate(OFFLOAD_BUCKETS_S):
-            if seconds <= bound:
-                row[i] += 1
-        row[-2] += seconds
-        row[-1] += 1
+    def _snapshot(self) -> dict[str, Any]:
+        snapshot = self._restart.snapshot()
+        if self._remote is not None:
+            snapshot["summary"]["remote"] = self._remote.summary()
+        return snapshot
 
     def _update_gates(self) -> None:
         if self._measure.update_gates():
             self._value.admit_epoch += 1  # cached NVMe admissions were decided under the old κ
-
-
-_LAYERS = {
-    Path.D2H: ("0", "1"),
-    Path.H2D: ("1", "0"),
-    Path.D2D: ("0", "0"),
-    Path.NVME_WRITE: ("1", "2"),
-    Path.NVME_READ: ("2", "1"),
-}
-_LATENCY_KEYS = {path: f"{a}->{b}" for path, (a, b) in _LAYERS.items()}
 
 
 def _check_ctx(ctx: object) -> RequestContext:

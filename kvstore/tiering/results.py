@@ -100,6 +100,9 @@ class LookupResult:
     hit_pages: int  # the resident prefix run
     pages_by_tier: tuple[int, int, int]  # of the hit run: served from hbm, dram, nvme
     plan: LoadPlan
+    # The pages after the hit run being read from the remote tier into DRAM (docs/tiering.md,
+    # "The remote tier"): look up again shortly and they are DRAM hits. 0 without one.
+    remote_pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,3 +244,6 @@ class TierStats:
     # NVMe read failed or came back short), no_slot (no DRAM slot to stage into),
     # copy (the copy to the destination failed), unreadable (the page was gone).
     load_failure_reasons: Mapping[str, int] = field(default_factory=dict)
+    # The remote tier's summary (RemoteTier.summary: state, hits, misses by reason,
+    # published pages, kappa, bandwidths); None without a remote tier.
+    remote: Mapping[str, Any] | None = None

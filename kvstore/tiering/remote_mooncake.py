@@ -1,0 +1,187 @@
+"""The remote tier on Mooncake Store (``remote_backend="mooncake"``).
+
+docs/integrations.md, "Beyond one machine". A client of a Mooncake Store cluster
+(``mooncake-transfer-engine-non-cuda`` 0.3.13.post1, the ``kvstore[cluster]`` extra):
+``MooncakeDistributedStore`` set up with ``metadata_server="P2PHANDSHAKE"`` (no etcd),
+``protocol="tcp"`` and the master's address. Each node lends ``segment_bytes`` of its
+memory to the cluster's pool. Reads and writes are zero-copy: the tier manager's DRAM
+arena and its header blocks are registered once, and a value moves scattered into
+(or gathered from) its header block and its DRAM slot
+(``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``); sizes come from
+``batch_get_replica_desc`` (one call for a lookup's pages), since a scattered read
+must name the value's exact size.
+
+Options (``TierConfig.remote_options``): ``master`` ("host:port", required),
+``hostname`` (this node's address as peers reach it, default 127.0.0.1),
+``segment_bytes`` (memory lent to the pool, default 256 MiB), ``buffer_bytes``
+(the client's own transfer buffer, default 16 MiB), ``protocol`` ("tcp"),
+``metadata_server`` ("P2PHANDSHAKE"), ``device`` (RDMA devices, "").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvstore.tiering.remote import (
+    Part,
+    RemoteBackend,
+    RemoteError,
+    register_remote_backend,
+)
+
+__all__ = ["MOONCAKE_PACKAGE", "MooncakeBackend", "mooncake_available", "reason_of"]
+
+MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+
+# Mooncake's error codes (mooncake-store/include/types.h) -> the tier's reason words.
+_OBJECT_NOT_FOUND = -704
+_BUFFER_OVERFLOW = -600
+_TRANSFER_FAIL = -800
+_RPC_FAIL = -900
+
+
+def reason_of(code: int) -> str:
+    """The reason word of a negative Mooncake result."""
+    if code == _OBJECT_NOT_FOUND:
+        return "absent"
+    if code == _BUFFER_OVERFLOW:
+        return "too_large"
+    if -899 <= code <= _TRANSFER_FAIL:
+        return "transfer"
+    if -999 <= code <= _RPC_FAIL:
+        return "master"
+    return "error"
+
+
+def mooncake_available() -> str | None:
+    """None when Mooncake's client imports, else why not (tests skip with it)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as e:
+        return f"Mooncake Store's client is not installed ({MOONCAKE_PACKAGE}): {e}"
+    return None
+
+
+@register_remote_backend("mooncake")
+class MooncakeBackend(RemoteBackend):
+    """A Mooncake Store client; see the module docstring for its options."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        master = self.options.get("master")
+        if not isinstance(master, str) or ":" not in master:
+            raise ValueError(
+                "remote_options['master'] must be the Mooncake master's 'host:port', "
+                f"got {master!r}"
+            )
+        self.master = master
+        self.hostname = str(self.options.get("hostname", "127.0.0.1"))
+        self.segment_bytes = int(self.options.get("segment_bytes", 256 << 20))
+        self.buffer_bytes = int(self.options.get("buffer_bytes", 16 << 20))
+        self.protocol = str(self.options.get("protocol", "tcp"))
+        self.metadata_server = str(self.options.get("metadata_server", "P2PHANDSHAKE"))
+        self.device = str(self.options.get("device", ""))
+        self._client: Any = None
+        self._registered: list[tuple[int, int]] = []
+        # Mooncake logs through glog to stderr: errors only, unless the operator said.
+        os.environ.setdefault("GLOG_minloglevel", "2")
+
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` (None before ``connect``)."""
+        return self._client
+
+    def connect(self) -> None:
+        reason = mooncake_available()
+        if reason is not None:
+            raise RemoteError(reason)
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        rc = client.setup(
+            self.hostname,
+            self.metadata_server,
+            self.segment_bytes,
+            self.buffer_bytes,
+            self.protocol,
+            self.device,
+            self.master,
+        )
+        if rc != 0:
+            raise RemoteError(f"cannot join the Mooncake cluster at {self.master} (setup: {rc})")
+        for address, nbytes in self._registered:
+            rc = client.register_buffer(address, nbytes)
+            if rc != 0:
+                client.close()
+                raise RemoteError(f"register_buffer of {nbytes} bytes failed ({rc})")
+        old, self._client = self._client, client
+        if old is not None:
+            old.close()
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._registered.append((address, nbytes))
+        if self._client is not None:
+            rc = self._client.register_buffer(address, nbytes)
+            if rc != 0:
+                raise RemoteError(f"register_buffer of {nbytes} bytes failed ({rc})")
+
+    def _live(self) -> Any:
+        if self._client is None:
+            raise RemoteError("not connected to the Mooncake master")
+        return self._client
+
+    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        client = self._live()
+        found = client.batch_get_replica_desc(list(keys))
+        out: list[int | None] = []
+        for key in keys:
+            size = None
+            for replica in found.get(key, ()):
+                if replica.is_memory_replica():
+                    size = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                    break
+            out.append(size)
+        return out
+
+    def get_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        client = self._live()
+        codes = client.batch_get_into_multi_buffers(
+            list(keys), [[a for a, _ in p] for p in parts], [[n for _, n in p] for p in parts]
+        )
+        return [(c, "") if c >= 0 else (0, reason_of(c)) for c in codes]
+
+    def put_from(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        client = self._live()
+        codes = client.batch_put_from_multi_buffers(
+            list(keys), [[a for a, _ in p] for p in parts], [[n for _, n in p] for p in parts]
+        )
+        sizes = [sum(n for _, n in p) for p in parts]
+        return [(n, "") if c >= 0 else (0, reason_of(c)) for c, n in zip(codes, sizes, strict=True)]
+
+    def health(self) -> str | None:
+        if self._client is None:
+            return "not connected to the Mooncake master"
+        rc = self._client.health_check()
+        if rc != 0:
+            return f"Mooncake health check {rc} (1: closed, 2: master unreachable)"
+        # health_check answers from the last heartbeat: ask the master itself.
+        code = self._client.batch_is_exist(["kvstore/health"])[0]
+        if code < 0:
+            return f"master {self.master} unreachable ({reason_of(code)}, {code})"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": "mooncake",
+            "master": self.master,
+            "hostname": self.hostname,
+            "protocol": self.protocol,
+            "segment_bytes": self.segment_bytes,
+        }
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()

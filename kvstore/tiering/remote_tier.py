@@ -1,0 +1,568 @@
+"""``RemoteTier``: the tier manager's component for a cluster store below NVMe.
+
+docs/tiering.md, "The remote tier". Lookups go local first: when a lookup's run of
+resident pages stops short of its keys, the pages that follow are asked of the
+cluster (their sizes in one call), read into DRAM slots (zero-copy where the backend
+allows: the arena is registered), verified against the wire header
+(docs/format.md, "Remote tier value") and then admitted as DRAM pages, as an NVMe read
+would be; the engine's next lookup finds them there. Pages an offer lands in DRAM are
+published when their value density with the remote tier's measured load time passes
+``remote_tau`` (no wear counts: the cluster's memory is not a drive).
+
+Nothing here blocks: calls are ``RemoteJob``s on ``RemoteLink`` workers, harvested
+under the manager's lock. A call past ``remote_deadline_s`` is given up on: its
+pages count as late misses and the tier reports itself degraded, while the call's
+DRAM slots and header blocks stay its own until it returns (a late write can land
+in no page). Degraded (the master unreachable, a call overdue, a failed join), the
+tier starts no reads and no publishes; a health call every ``remote_health_s``
+brings it back. Every read that is short, empty, late, of another key or namespace,
+or fails its checksum is a miss counted by reason, never a page.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import CorruptionError
+from kvstore.format.remote import (
+    REMOTE_HEADER_BYTES,
+    RemotePage,
+    encode_remote_header_into,
+    remote_key,
+    verify_remote_value,
+)
+from kvstore.tiering.arena import SlotPool
+from kvstore.tiering.config import TierConfig
+from kvstore.tiering.cost import Bandwidth, CostModel
+from kvstore.tiering.pages import DRAM, PageRec, PageState, page_key
+from kvstore.tiering.policy import ReuseEstimator
+from kvstore.tiering.remote import (
+    RemoteBackend,
+    RemoteError,
+    RemoteJob,
+    RemoteLink,
+    open_remote_backend,
+)
+from kvstore.tiering.state import TierState
+
+__all__ = ["REMOTE_READ", "REMOTE_WRITE", "RemoteTier", "open_remote"]
+
+log = logging.getLogger("kvstore.tiering")
+
+REMOTE_READ, REMOTE_WRITE = "remote_read", "remote_write"  # the paths' names
+_HDR = REMOTE_HEADER_BYTES
+_PUBLISHED_KEYS = 1 << 20  # keys remembered as published (oldest forgotten first)
+_EXPLORE_S = 5.0  # with kappa < 1, one read this often re-measures the network
+_READY = PageState.READY
+
+
+@dataclass
+class _Fetch:
+    keys: list[bytes]
+    parent: bytes | None  # the page before keys[0] in the lookup (None: a root)
+    items: list[tuple[bytes, int, int, int]] | None = None  # key, slot, header, payload
+
+
+class RemoteTier:
+    """The remote tier of one manager (``TierConfig.remote_backend``)."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        state: TierState,
+        *,
+        backend: RemoteBackend,
+        dram: SlotPool,
+        alloc: Callable[[int], int | None],
+        reuse: ReuseEstimator,
+        cost: CostModel,
+        h2d: Bandwidth,
+    ) -> None:
+        self.config = config
+        self.namespace = config.remote_namespace
+        self._state = state
+        self._pages = state.pages
+        self._backend = backend
+        self._dram = dram
+        self._alloc = alloc
+        self._reuse = reuse
+        self._cost = cost
+        self._h2d = h2d
+        self._deadline_s = config.remote_deadline_s
+        self._max_pages = config.remote_max_pages
+        rates, lat = config.bandwidth_bytes_per_s, config.latency_s
+        self.bandwidth = {
+            REMOTE_READ: Bandwidth(rates.get(REMOTE_READ, 1.25e9), lat.get(REMOTE_READ, 2e-4)),
+            REMOTE_WRITE: Bandwidth(rates.get(REMOTE_WRITE, 1.25e9), lat.get(REMOTE_WRITE, 2e-4)),
+        }
+        self.counters: dict[str, int] = {}
+        headers = 4 * config.remote_max_pages
+        self._headers = np.zeros(headers * _HDR, dtype=np.uint8)
+        self._free_headers = list(range(headers - 1, -1, -1))
+        self._fetching: set[bytes] = set()
+        self._published: OrderedDict[bytes, None] = OrderedDict()
+        self._from_remote: OrderedDict[bytes, None] = OrderedDict()
+        self.degraded: str | None = "connecting to the cluster"
+        self._connected = False
+        self._last_health = -math.inf
+        self._last_explore = -math.inf
+        self._control_job: RemoteJob | None = None
+        self._data = RemoteLink(config.remote_workers, "data")
+        self._control = RemoteLink(1, "control")
+        buffer = getattr(dram, "buffer", None)
+        if buffer is not None:
+            arena = buffer()
+            backend.register(arena.data_ptr(), arena.numel())
+        backend.register(self._headers.ctypes.data, self._headers.nbytes)
+        self._control_job = self._control.submit("connect", backend.connect, self._deadline_s * 5)
+
+    # -- bookkeeping ---------------------------------------------------------------
+
+    def _bump(self, name: str, by: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + by
+
+    def _miss(self, reason: str, pages: int = 1) -> None:
+        self._bump("misses", pages)
+        self._bump("miss:" + reason, pages)
+
+    def _degrade(self, reason: str) -> None:
+        if self.degraded is None:
+            log.warning("remote tier degraded: %s; local tiers keep serving", reason)
+            self._bump("degraded_events")
+        self.degraded = reason
+
+    def _heal(self) -> None:
+        if self.degraded is not None:
+            log.info("remote tier back: %s", self._backend.describe())
+        self.degraded = None
+
+    @property
+    def up(self) -> bool:
+        return self.degraded is None
+
+    def kappa(self) -> float:
+        """Recompute time of one page over its load from the cluster (into DRAM, then
+        to the engine): below 1, lookups recompute rather than read remotely."""
+        page = self.config.page_bytes
+        load = self.bandwidth[REMOTE_READ].seconds(page + _HDR) + self._h2d.seconds(page)
+        return self._cost.recompute_s(self.config.tokens_per_page) / load if load > 0 else math.inf
+
+    def _header(self, index: int) -> Any:
+        return self._headers[index * _HDR : (index + 1) * _HDR]
+
+    def _header_address(self, index: int) -> int:
+        return int(self._headers.ctypes.data) + index * _HDR
+
+    def _remember(self, table: OrderedDict[bytes, None], key: bytes) -> None:
+        table[key] = None
+        if len(table) > _PUBLISHED_KEYS:
+            table.popitem(last=False)
+
+    # -- lookups -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[object], hit: int, now: float) -> int:
+        """After a local lookup whose run stopped at ``keys[hit]``: ask the cluster for
+        the pages that follow. How many of them are on their way (0: none asked)."""
+        if hit >= len(keys):
+            return 0
+        first = keys[hit]
+        first_key = first if type(first) is bytes else page_key(first)
+        if first_key in self._fetching:  # asked again before the pages landed
+            pending = 0
+            for raw in keys[hit : hit + self._max_pages]:
+                if (raw if type(raw) is bytes else page_key(raw)) not in self._fetching:
+                    break
+                pending += 1
+            return pending
+        if not self.up:
+            self._bump("lookups:degraded")
+            return 0
+        if self.kappa() < 1.0:
+            if now - self._last_explore < _EXPLORE_S:
+                self._bump("lookups:recompute_faster")
+                return 0
+            self._last_explore = now
+            self._bump("lookups:explore")
+        cont: list[bytes] = []
+        for raw in keys[hit : hit + self._max_pages]:
+            key = raw if type(raw) is bytes else page_key(raw)
+            rec = self._pages.get(key)
+            if key in self._fetching or (rec is not None and rec.tiers):
+                break
+            cont.append(key)
+        if not cont:
+            return 0
+        prev = keys[hit - 1] if hit > 0 else None
+        parent = None if prev is None else prev if type(prev) is bytes else page_key(prev)
+        names = [remote_key(self.namespace, k) for k in cont]
+        backend = self._backend
+        self._data.submit(
+            "query", lambda: backend.sizes(names), self._deadline_s, _Fetch(cont, parent)
+        )
+        self._fetching.update(cont)
+        self._bump("lookups")
+        return len(cont)
+
+    def _query_done(self, job: RemoteJob) -> None:
+        fetch: _Fetch = job.context
+        sizes: list[int | None] = job.result if job.error is None else []
+        if job.error is not None:
+            self._failed(job.error)
+        items: list[tuple[bytes, int, int, int]] = []
+        limit = self.config.page_bytes
+        for key, size in zip(fetch.keys, sizes, strict=False):
+            if size is None:
+                break
+            if not _HDR < size <= _HDR + limit:
+                self._miss("short" if size <= _HDR else "too_large")
+                break
+            slot = self._alloc(DRAM)
+            if slot is None:
+                self._miss("no_slot")
+                break
+            if not self._free_headers:
+                self._dram.free(slot)
+                self._miss("busy")
+                break
+            items.append((key, slot, self._free_headers.pop(), size - _HDR))
+        for key in fetch.keys[len(items) :]:
+            self._fetching.discard(key)
+        if not items:
+            self._bump("lookups:absent")
+            return
+        fetch.items = items
+        names = [remote_key(self.namespace, k) for k, _, _, _ in items]
+        views = [self._dram.view(slot, n) for _, slot, _, n in items]
+        parts = [
+            [(self._header_address(h), _HDR), (int(view.data_ptr()), n)]
+            for (_, _, h, n), view in zip(items, views, strict=True)
+        ]
+        headers = [self._header(h) for _, _, h, _ in items]
+        backend, namespace = self._backend, self.namespace
+
+        def read() -> list[tuple[RemotePage | None, str]]:
+            got = backend.get_into(names, parts)
+            out: list[tuple[RemotePage | None, str]] = []
+            for (key, _, _, n), (nbytes, reason), head, view in zip(
+                items, got, headers, views, strict=True
+            ):
+                if reason:
+                    out.append((None, reason))
+                elif nbytes != _HDR + n:
+                    out.append((None, "empty" if nbytes == 0 else "short"))
+                else:
+                    try:
+                        page = verify_remote_value(
+                            head,
+                            view.numpy(),
+                            namespace=namespace,
+                            key=key,
+                            max_payload_bytes=limit,
+                        )
+                        out.append((page, ""))
+                    except CorruptionError as e:
+                        out.append((None, str(e).split(":", 1)[0]))
+            return out
+
+        job2 = self._data.submit("get", read, self._deadline_s, fetch)
+        job2.nbytes = sum(_HDR + n for _, _, _, n in items)
+
+    def _get_done(self, job: RemoteJob, now: float) -> None:
+        fetch: _Fetch = job.context
+        items = fetch.items or []
+        if job.expired:  # counted late when it was given up on: only give back
+            for _, slot, header, _ in items:
+                self._dram.free(slot)
+                self._free_headers.append(header)
+            return
+        if job.error is not None:
+            self._failed(job.error)
+        results: list[tuple[RemotePage | None, str]] = (
+            job.result if job.error is None else [(None, "error")] * len(items)
+        )
+        expected = fetch.parent
+        chain = True
+        moved = 0
+        state, pages = self._state, self._pages
+        for (key, slot, header, _), (page, reason) in zip(items, results, strict=True):
+            self._free_headers.append(header)
+            self._fetching.discard(key)
+            admitted = False
+            if page is None:
+                self._miss(reason or "error")
+                if reason == "master":
+                    self._degrade("the master does not answer reads")
+            elif not chain:
+                self._miss("orphan")
+            elif page.parent != expected and not (expected is None and page.parent is not None):
+                self._miss("mismatched")
+            else:
+                parent_rec = pages.get(page.parent) if page.parent is not None else None
+                old = pages.get(key)
+                if page.parent is not None and (parent_rec is None or not parent_rec.tiers):
+                    self._miss("orphan")
+                elif old is not None:
+                    self._bump("present")  # offered or read locally meanwhile
+                    admitted = old.tiers != 0  # the chain goes on from the local copy
+                    self._dram.free(slot)
+                    slot = -1
+                else:
+                    depth = parent_rec.depth + 1 if parent_rec is not None else 0
+                    rec = PageRec(key, page.parent, depth, page.tokens, page.payload_bytes, now)
+                    pages[key] = rec
+                    if parent_rec is not None:
+                        if parent_rec.children == 1:
+                            state.child_created(parent_rec)
+                        else:
+                            parent_rec.children += 1
+                    rec.dram_slot = slot
+                    state.set_tier(rec, DRAM)
+                    self._remember(self._from_remote, key)
+                    self._bump("hits")
+                    self._bump("bytes_read", page.payload_bytes)
+                    moved += _HDR + page.payload_bytes
+                    admitted = True
+            if not admitted:
+                if slot >= 0:
+                    self._dram.free(slot)
+                chain = False
+            expected = key
+        seconds = job.seconds()
+        if moved and seconds:
+            self.bandwidth[REMOTE_READ].observe(moved, seconds, now)
+
+    # -- publishing --------------------------------------------------------------------
+
+    def _admits(self, rec: PageRec) -> bool:
+        """Value density with the remote tier's load time (docs/tiering.md, "Admission"):
+        ``p·(T_recompute − T_remote)/bytes`` (or the ``charged`` form) >= ``remote_tau``."""
+        p = self._reuse.p(rec.depth, rec.reused, rec.tag)
+        recompute = self._cost.recompute_s(rec.tokens, rec.depth * rec.tokens)
+        load = self.bandwidth[REMOTE_READ].seconds(rec.nbytes + _HDR) + self._h2d.seconds(
+            rec.nbytes
+        )
+        if self.config.value_formula == "expected":
+            density = p * (recompute - load) / rec.nbytes
+        else:
+            density = (p * recompute - load) / rec.nbytes
+        return density >= self.config.remote_tau
+
+    def offered(self, recs: Sequence[PageRec]) -> None:
+        """An offer's copy into DRAM landed: publish what the cluster should hold."""
+        if not self.up:
+            self._bump("publish:degraded", len(recs))
+            return
+        batch: list[tuple[PageRec, int]] = []
+        for rec in recs:
+            if rec.state is not _READY or not rec.tiers & 2 or rec.dram_slot < 0:
+                continue
+            if rec.key in self._published or rec.key in self._from_remote:
+                continue
+            if not self._admits(rec):
+                self._bump("publish:below_tau")
+                continue
+            if not self._free_headers:
+                self._bump("publish:busy")
+                break
+            rec.pins += 1  # R4: its slot is read by the put; never a victim meanwhile
+            batch.append((rec, self._free_headers.pop()))
+        if not batch:
+            return
+        names = [remote_key(self.namespace, rec.key) for rec, _ in batch]
+        views = [self._dram.view(rec.dram_slot, rec.nbytes) for rec, _ in batch]
+        fields = [(rec.key, rec.parent, rec.depth, rec.tokens) for rec, _ in batch]
+        headers = [self._header(h) for _, h in batch]
+        parts = [
+            [(self._header_address(h), _HDR), (int(view.data_ptr()), rec.nbytes)]
+            for (rec, h), view in zip(batch, views, strict=True)
+        ]
+        backend, namespace = self._backend, self.namespace
+
+        def publish() -> list[tuple[int, str]]:
+            for (key, parent, depth, tokens), head, view in zip(
+                fields, headers, views, strict=True
+            ):
+                encode_remote_header_into(
+                    memoryview(head),
+                    namespace=namespace,
+                    key=key,
+                    payload=view.numpy(),
+                    parent=parent,
+                    depth=depth,
+                    tokens=tokens,
+                )
+            return backend.put_from(names, parts)
+
+        job = self._data.submit("put", publish, self._deadline_s, batch)
+        job.nbytes = sum(_HDR + rec.nbytes for rec, _ in batch)
+
+    def _put_done(self, job: RemoteJob, now: float) -> None:
+        batch: list[tuple[PageRec, int]] = job.context
+        for rec, header in batch:
+            self._free_headers.append(header)
+            if rec.pins > 0:
+                rec.pins -= 1
+                self._state.forget_if_gone(rec)
+        if job.expired:
+            return
+        if job.error is not None:
+            self._failed(job.error)
+            self._bump("publish:failed", len(batch))
+            return
+        moved = 0
+        for (rec, _), (nbytes, reason) in zip(batch, job.result, strict=True):
+            if reason:
+                self._bump("publish:failed:" + reason)
+                if reason == "master":
+                    self._degrade("the master does not answer writes")
+                continue
+            self._remember(self._published, rec.key)
+            self._bump("published")
+            self._bump("bytes_written", rec.nbytes)
+            moved += nbytes
+        seconds = job.seconds()
+        if moved and seconds:
+            self.bandwidth[REMOTE_WRITE].observe(moved, seconds, now)
+
+    # -- the control cycle -------------------------------------------------------------
+
+    def _failed(self, error: str) -> None:
+        self._bump("call_errors")
+        if error.startswith(RemoteError.__name__):
+            self._degrade(error.split(": ", 1)[-1])
+
+    def harvest(self, now: float) -> int:
+        """Process the calls that returned (under the manager's lock); how many."""
+        jobs = self._data.poll()
+        control = self._control.poll()
+        for job in jobs:
+            if job.kind == "query":
+                if job.expired:
+                    continue
+                self._query_done(job)
+            elif job.kind == "get":
+                self._get_done(job, now)
+            elif job.kind == "put":
+                self._put_done(job, now)
+        for job in control:
+            self._control_job = None
+            if job.expired:
+                continue
+            if job.error is not None:
+                self._connected = job.kind == "health" and self._connected
+                self._degrade(job.error.split(": ", 1)[-1])
+            elif job.kind == "connect":
+                self._connected = True
+                self._heal()
+            elif job.result is not None:
+                self._degrade(str(job.result))
+            elif self._data.stuck():
+                self._degrade(f"{self._data.stuck()} remote calls still past their deadline")
+            else:
+                self._heal()
+        return len(jobs) + len(control)
+
+    def step(self) -> None:
+        """Give up on overdue calls; a health call (or a new join) when due."""
+        mono = time.monotonic()
+        for job in self._data.overdue(mono):
+            job.expired = True
+            self._bump("late_calls")
+            context = job.context
+            if job.kind in ("query", "get"):
+                fetch: _Fetch = context
+                keys = [k for k, _, _, _ in fetch.items] if fetch.items else fetch.keys
+                for key in keys:
+                    self._fetching.discard(key)
+                if job.kind == "get":
+                    self._miss("late", len(keys))
+            else:
+                self._bump("publish:late", len(context))
+            self._degrade(
+                f"a remote {job.kind} outlived its deadline of {self._deadline_s:g} s "
+                "(a hung peer or master)"
+            )
+        for job in self._control.overdue(mono):
+            job.expired = True
+            self._control_job = None
+            self._degrade(f"the cluster did not answer a {job.kind} within its deadline")
+        if self._control_job is None and mono - self._last_health >= self.config.remote_health_s:
+            self._last_health = mono
+            backend = self._backend
+            if self._connected:
+                self._control_job = self._control.submit("health", backend.health, self._deadline_s)
+            elif not self._control.stuck():
+                self._control_job = self._control.submit(
+                    "connect", backend.connect, self._deadline_s * 5
+                )
+
+    def busy(self) -> bool:
+        """Calls in flight that have not been given up on (``TierManager.drain``)."""
+        return any(not j.expired for j in list(self._data.in_flight))
+
+    def close(self) -> None:
+        """Stop the workers (a call still running after the deadline is left behind,
+        and then the backend is not closed under it)."""
+        done = self._data.close(self._deadline_s)
+        done = self._control.close(self._deadline_s) and done
+        if done:
+            self._backend.close()
+        else:
+            log.warning("remote tier closed with calls still running; its client stays open")
+
+    # -- statistics --------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """What ``stats()``, the statistics file and ``kvstore tier stat`` show."""
+        c = self.counters
+        return {
+            "backend": self._backend.describe(),
+            "namespace": self.namespace,
+            "state": "up" if self.up else "degraded",
+            "degraded_reason": self.degraded or "",
+            "hits": c.get("hits", 0),
+            "misses": c.get("misses", 0),
+            "miss_reasons": {k[5:]: v for k, v in sorted(c.items()) if k.startswith("miss:")},
+            "lookups": c.get("lookups", 0),
+            "published": c.get("published", 0),
+            "bytes_read": c.get("bytes_read", 0),
+            "bytes_written": c.get("bytes_written", 0),
+            "kappa": self.kappa(),
+            "in_use": self.up and self.kappa() >= 1.0,
+            "bandwidth": {
+                name: {"bytes_per_s": b.rate, "latency_s": b.latency_s, "samples": b.samples}
+                for name, b in self.bandwidth.items()
+            },
+            "in_flight": len(self._data.in_flight),
+            "stuck_calls": self._data.stuck(),
+            "counters": dict(sorted(c.items())),
+        }
+
+
+def open_remote(
+    config: TierConfig, state: TierState, value: Any, backends: Any, cost: CostModel, eviction: Any
+) -> RemoteTier | None:
+    """The remote tier ``config`` asks for (None without ``remote_backend``); its
+    client joins the cluster on a worker thread, so an unreachable master costs the
+    open nothing (the tier starts degraded and reconnects)."""
+    if config.remote_backend is None:
+        return None
+    backend = open_remote_backend(config.remote_backend, config.remote_options)
+    return RemoteTier(
+        config,
+        state,
+        backend=backend,
+        dram=backends.dram,
+        alloc=eviction.alloc,
+        reuse=value.reuse,
+        cost=cost,
+        h2d=backends.bandwidth["h2d"],
+    )
