@@ -61,6 +61,7 @@ REMOTE_READ, REMOTE_WRITE = "remote_read", "remote_write"  # the paths' names
 _HDR = REMOTE_HEADER_BYTES
 _PUBLISHED_KEYS = 1 << 20  # keys remembered as published (oldest forgotten first)
 _EXPLORE_S = 5.0  # with kappa < 1, one read this often re-measures the network
+_RETRY_S = 5.0  # a page whose read missed (bad, late, absent) is not asked again sooner
 _READY = PageState.READY
 
 
@@ -108,6 +109,7 @@ class RemoteTier:
         self._headers = np.zeros(headers * _HDR, dtype=np.uint8)
         self._free_headers = list(range(headers - 1, -1, -1))
         self._fetching: set[bytes] = set()
+        self._missed: dict[bytes, float] = {}  # key -> when it may be asked again
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._from_remote: OrderedDict[bytes, None] = OrderedDict()
         self.degraded: str | None = "connecting to the cluster"
@@ -129,7 +131,11 @@ class RemoteTier:
     def _bump(self, name: str, by: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + by
 
-    def _miss(self, reason: str, pages: int = 1) -> None:
+    def _miss(self, reason: str, pages: int = 1, key: bytes | None = None) -> None:
+        if key is not None:
+            if len(self._missed) > _PUBLISHED_KEYS:
+                self._missed.clear()
+            self._missed[key] = time.monotonic() + _RETRY_S
         self._bump("misses", pages)
         self._bump("miss:" + reason, pages)
 
@@ -185,6 +191,12 @@ class RemoteTier:
         if not self.up:
             self._bump("lookups:degraded")
             return 0
+        retry_at = self._missed.get(first_key)
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                self._bump("lookups:missed_recently")
+                return 0
+            del self._missed[first_key]
         if self.kappa() < 1.0:
             if now - self._last_explore < _EXPLORE_S:
                 self._bump("lookups:recompute_faster")
@@ -297,13 +309,13 @@ class RemoteTier:
             self._fetching.discard(key)
             admitted = False
             if page is None:
-                self._miss(reason or "error")
+                self._miss(reason or "error", key=key)
                 if reason == "master":
                     self._degrade("the master does not answer reads")
             elif not chain:
                 self._miss("orphan")
             elif page.parent != expected and not (expected is None and page.parent is not None):
-                self._miss("mismatched")
+                self._miss("mismatched", key=key)
             else:
                 parent_rec = pages.get(page.parent) if page.parent is not None else None
                 old = pages.get(key)
@@ -483,7 +495,8 @@ class RemoteTier:
                 for key in keys:
                     self._fetching.discard(key)
                 if job.kind == "get":
-                    self._miss("late", len(keys))
+                    for key in keys:
+                        self._miss("late", key=key)
             else:
                 self._bump("publish:late", len(context))
             self._degrade(

@@ -1,0 +1,223 @@
+"""The remote tier on the in-process cluster (docs/tiering.md, "The remote tier"):
+sharing between two managers, and each fault a miss counted by reason, never a wrong
+byte, with local serving going on. The Mooncake twin of these runs in
+test_remote_mooncake.py."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstore.bench.tiering import load_config
+from kvstore.errors import CorruptionError
+from kvstore.format.remote import encode_remote_header_into, remote_key, verify_remote_value
+from kvstore.tiering import TierManager
+from kvstore.tiering.remote import memory_cluster
+
+PB = 64 << 10
+NS = "tiny/float32/tp1/page_first"
+_names = itertools.count()
+
+
+def _config(cluster: str, **overrides: object) -> object:
+    options = dict(
+        remote_backend="memory",
+        remote_options={"cluster": cluster},
+        remote_namespace=NS,
+        remote_deadline_s=0.5,
+        remote_health_s=0.05,
+    )
+    options.update(overrides)
+    return load_config(32, PB, **options)
+
+
+@pytest.fixture
+def cluster() -> Iterator[str]:
+    name = f"test-{next(_names)}"
+    yield name
+    c = memory_cluster(name)
+    c.release.set()
+
+
+def _pages(prefix: str, n: int, seed: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    keys = [f"{prefix}{i}".encode() for i in range(n)]
+    return keys, [torch.randint(0, 256, (PB,), dtype=torch.uint8, generator=g) for _ in keys]
+
+
+def _until(tm: TierManager, cond: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tm.step()
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def _up(tm: TierManager) -> bool:
+    remote = tm.stats().remote
+    return remote is not None and remote["state"] == "up"
+
+
+def _load(tm: TierManager, keys: list[bytes]) -> list[torch.Tensor]:
+    r = tm.lookup(keys)
+    dst = [torch.zeros(PB, dtype=torch.uint8) for _ in range(r.plan.load_pages)]
+    h = tm.prepare_load(r.plan, dst)
+    assert h.wait(5)
+    tm.complete_load(h)
+    return dst[: h.loaded_pages]
+
+
+def _fetch(tm: TierManager, keys: list[bytes]) -> int:
+    """Look up until the remote reads are done; the hit run."""
+    r = tm.lookup(keys)
+    deadline = time.monotonic() + 5
+    while r.remote_pending and time.monotonic() < deadline:
+        tm.drain(1)
+        tm.step()
+        r = tm.lookup(keys)
+    return r.hit_pages
+
+
+def test_a_page_offered_on_a_is_loaded_bit_exact_on_b(cluster: str) -> None:
+    keys, srcs = _pages("p", 8, 1)
+    with TierManager.open(_config(cluster)) as a, TierManager.open(_config(cluster)) as b:
+        _until(a, lambda: _up(a) and _up(b))
+        assert a.offer(keys, srcs).admitted == 8
+        _until(a, lambda: a.stats().remote["published"] == 8)
+        first = b.lookup(keys)
+        assert first.hit_pages == 0 and first.remote_pending == 8
+        assert _fetch(b, keys) == 8
+        got = _load(b, keys)
+        assert all(torch.equal(x, y) for x, y in zip(got, srcs, strict=True))
+        stats = b.stats()
+        assert stats.remote["hits"] == 8 and stats.remote["misses"] == 0
+        assert stats.pages_by_tier[1] == 8  # admitted locally, in DRAM
+        # pages read from the cluster are not published back
+        assert stats.remote["published"] == 0
+    # another namespace never sees them
+    with TierManager.open(_config(cluster, remote_namespace="other")) as c:
+        _until(c, lambda: _up(c))
+        assert _fetch(c, keys) == 0
+
+
+def _publish_raw(cluster: str, key: bytes, payload: bytes, *, corrupt: bool) -> None:
+    head = bytearray(4096)
+    encode_remote_header_into(
+        memoryview(head), namespace=NS, key=key, payload=payload, parent=None, depth=0, tokens=8
+    )
+    body = bytearray(payload)
+    if corrupt:
+        body[100] ^= 0xFF
+    memory_cluster(cluster).values[remote_key(NS, key)] = bytes(head) + bytes(body)
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("checksum", "checksum"), ("empty", "empty"), ("short", "short"), ("other_key", "mismatched")],
+)
+def test_a_bad_value_under_a_real_key_is_a_miss_never_a_page(
+    cluster: str, fault: str, reason: str
+) -> None:
+    key = b"root"
+    payload = bytes(range(256)) * (PB // 256)
+    _publish_raw(cluster, key, payload, corrupt=fault == "checksum")
+    c = memory_cluster(cluster)
+    name = remote_key(NS, key)
+    if fault == "empty":
+        c.empty_gets = True  # is_exist says yes, the read brings 0 bytes
+    elif fault == "short":
+        c.values[name] = c.values[name][:-4096]
+    elif fault == "other_key":
+        _publish_raw(cluster, b"elsewhere", payload, corrupt=False)
+        c.values[name] = c.values[remote_key(NS, b"elsewhere")]
+    local_keys, local = _pages("local", 2, 3)
+    with TierManager.open(_config(cluster)) as b:
+        _until(b, lambda: _up(b))
+        b.offer(local_keys, local)
+        b.drain()
+        assert _fetch(b, [key]) == 0
+        remote = b.stats().remote
+        assert remote["hits"] == 0 and remote["miss_reasons"] == {reason: 1}
+        assert b.stats().pages_by_tier[1] == 2  # nothing admitted from the cluster
+        got = _load(b, local_keys)  # local serving goes on
+        assert all(torch.equal(x, y) for x, y in zip(got, local, strict=True))
+
+
+def test_master_down_degrades_local_serving_goes_on_and_it_reconnects(cluster: str) -> None:
+    keys, srcs = _pages("d", 4, 5)
+    with TierManager.open(_config(cluster)) as a:
+        _until(a, lambda: _up(a))
+        memory_cluster(cluster).down = True
+        _until(a, lambda: not _up(a))
+        assert "unreachable" in a.stats().remote["degraded_reason"]
+        assert a.offer(keys, srcs).admitted == 4
+        a.drain()
+        assert all(torch.equal(x, y) for x, y in zip(_load(a, keys), srcs, strict=True))
+        assert a.lookup([b"nowhere"]).remote_pending == 0  # degraded: nothing asked
+        assert a.stats().remote["counters"]["publish:degraded"] >= 1
+        memory_cluster(cluster).down = False
+        _until(a, lambda: _up(a))
+
+
+def test_a_hung_call_is_a_late_miss_and_its_slots_stay_its_own(cluster: str) -> None:
+    keys, srcs = _pages("h", 4, 7)
+    with TierManager.open(_config(cluster)) as a:
+        _until(a, lambda: _up(a))
+        a.offer(keys, srcs)
+        _until(a, lambda: a.stats().remote["published"] == 4)
+    c = memory_cluster(cluster)
+    with TierManager.open(_config(cluster)) as b:
+        _until(b, lambda: _up(b))
+        c.hang.set()  # every call blocks now: a hung peer
+        started = time.monotonic()
+        r = b.lookup(keys)
+        assert r.remote_pending == 4
+        assert time.monotonic() - started < 0.2  # the caller's thread never waits
+        _until(b, lambda: not _up(b))
+        assert "deadline" in b.stats().remote["degraded_reason"]
+        local_keys, local = _pages("l", 3, 9)  # local serving goes on
+        assert b.offer(local_keys, local).admitted == 3
+        b.drain(2)
+        assert all(torch.equal(x, y) for x, y in zip(_load(b, local_keys), local, strict=True))
+        c.hang.clear()
+        c.release.set()  # the call returns late: its result is dropped
+        _until(b, lambda: _up(b))
+        assert b.stats().remote["stuck_calls"] == 0
+        assert _fetch(b, keys) == 4  # and the next lookup reads them
+        assert all(torch.equal(x, y) for x, y in zip(_load(b, keys), srcs, strict=True))
+
+
+def test_the_wire_value_refuses_what_it_is_not() -> None:
+    payload = b"x" * 5000
+    head = bytearray(4096)
+    encode_remote_header_into(
+        memoryview(head), namespace=NS, key=b"k", payload=payload, parent=b"p", depth=1, tokens=8
+    )
+    page = verify_remote_value(head, payload, namespace=NS, key=b"k", max_payload_bytes=PB)
+    assert (page.parent, page.depth, page.tokens, page.payload_bytes) == (b"p", 1, 8, 5000)
+    for kwargs, word in (
+        (dict(namespace="other", key=b"k"), "mismatched"),
+        (dict(namespace=NS, key=b"j"), "mismatched"),
+    ):
+        with pytest.raises(CorruptionError, match=word):
+            verify_remote_value(head, payload, max_payload_bytes=PB, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(CorruptionError, match="checksum"):
+        verify_remote_value(head, b"y" * 5000, namespace=NS, key=b"k", max_payload_bytes=PB)
+    with pytest.raises(CorruptionError, match="short"):
+        verify_remote_value(head, payload[:-1], namespace=NS, key=b"k", max_payload_bytes=PB)
+    head[10] ^= 1
+    with pytest.raises(CorruptionError, match="unverifiable"):
+        verify_remote_value(head, payload, namespace=NS, key=b"k", max_payload_bytes=PB)
+
+
+def test_config_refuses_a_remote_tier_without_a_namespace() -> None:
+    with pytest.raises(ValueError, match="remote_namespace"):
+        load_config(4, PB, remote_backend="memory")
+    with pytest.raises(ValueError, match="unknown remote_backend"):
+        TierManager.open(load_config(4, PB, remote_backend="nope", remote_namespace="x"))
