@@ -10,7 +10,11 @@ no bytes) and models of the peers' policies, on traces read or generated here:
                 the packaged one (data/)
     suite.py    ``--suite``: every kind x seeds x capacities, judged (docs/tiering.md,
                 "The suite")
-    plots.py    the frontier plots of ``--plot`` and of ``--suite --out``
+    plots.py    the frontier plots of ``--plot`` and of ``--suite --out``; the plot
+                of ``--nodes``
+    cluster.py  ``--nodes``: a trace across serving nodes, a manager each, with and
+                without a shared pool (docs/tiering.md, "Beyond one machine, by
+                simulation")
 
 The tier manager imports none of it. Neither the simulator nor ``kvstore tier stat``
 needs torch.
