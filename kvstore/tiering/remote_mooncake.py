@@ -15,7 +15,8 @@ Options (``TierConfig.remote_options``): ``master`` ("host:port", required),
 ``hostname`` (this node's address as peers reach it, default 127.0.0.1),
 ``segment_bytes`` (memory lent to the pool, default 256 MiB), ``buffer_bytes``
 (the client's own transfer buffer, default 16 MiB), ``protocol`` ("tcp"),
-``metadata_server`` ("P2PHANDSHAKE"), ``device`` (RDMA devices, "").
+``metadata_server`` ("P2PHANDSHAKE"), ``device`` (RDMA devices, ""), ``prefer_local``
+(true: a node publishes into the memory it lends).
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ class MooncakeBackend(RemoteBackend):
         self.protocol = str(self.options.get("protocol", "tcp"))
         self.metadata_server = str(self.options.get("metadata_server", "P2PHANDSHAKE"))
         self.device = str(self.options.get("device", ""))
+        # A node's pages go into the memory it lends (then a node's loss loses its own
+        # pages only); False: wherever the master places them.
+        self.prefer_local = bool(self.options.get("prefer_local", True))
         self._client: Any = None
+        self._replicate: Any = None
         self._registered: list[tuple[int, int]] = []
         # Mooncake logs through glog to stderr: errors only, unless the operator said.
         os.environ.setdefault("GLOG_minloglevel", "2")
@@ -116,6 +121,12 @@ class MooncakeBackend(RemoteBackend):
             if rc != 0:
                 client.close()
                 raise RemoteError(f"register_buffer of {nbytes} bytes failed ({rc})")
+        from mooncake.store import ReplicateConfig
+
+        replicate = ReplicateConfig()
+        if self.prefer_local:
+            replicate.preferred_segment = client.get_hostname()
+        self._replicate = replicate
         old, self._client = self._client, client
         if old is not None:
             old.close()
@@ -155,7 +166,10 @@ class MooncakeBackend(RemoteBackend):
     def put_from(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
         client = self._live()
         codes = client.batch_put_from_multi_buffers(
-            list(keys), [[a for a, _ in p] for p in parts], [[n for _, n in p] for p in parts]
+            list(keys),
+            [[a for a, _ in p] for p in parts],
+            [[n for _, n in p] for p in parts],
+            self._replicate,
         )
         sizes = [sum(n for _, n in p) for p in parts]
         return [(n, "") if c >= 0 else (0, reason_of(c)) for c, n in zip(codes, sizes, strict=True)]

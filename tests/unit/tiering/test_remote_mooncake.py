@@ -1,0 +1,134 @@
+"""The remote tier on a real Mooncake Store over loopback (docs/integrations.md,
+"Beyond one machine"): a master on free ports started and stopped here, two node
+processes each with its own store directory and tier manager. Every case counts the
+bytes that differ from what the offering node made: always 0."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.tiering.remote_mooncake import mooncake_available
+
+_REASON = mooncake_available()
+pytestmark = [
+    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
+    pytest.mark.timeout(180),
+]
+
+if _REASON is None:
+    from kvstore.testing.cluster import MooncakeMaster, Node, node_config
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster(tmp_path / "master.log")
+    m.start()
+    yield m
+    m.stop()
+
+
+def _node(tmp_path: Path, name: str, master: MooncakeMaster) -> Node:
+    node = Node(node_config(str(tmp_path / name), master.address), tmp_path / f"{name}.log")
+    assert node.call("wait_up")["state"] == "up"
+    return node
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, master: MooncakeMaster) -> Iterator[tuple[Node, Node]]:
+    a = _node(tmp_path, "a", master)
+    b = _node(tmp_path, "b", master)
+    yield a, b
+    for node in (a, b):
+        node.signal(signal.SIGCONT)
+        node.close()
+
+
+def _serves_locally(node: Node, name: str) -> None:
+    assert node.call("offer", name=name, count=3, seed=99)["admitted"] == 3
+    got = node.call("fetch", name=name, count=3, seed=99)
+    assert got["loaded"] == 3 and got["wrong_bytes"] == 0
+
+
+def test_b_finds_a_s_pages_remote_loads_them_bit_exact_and_admits_them(
+    nodes: tuple[Node, Node],
+) -> None:
+    a, b = nodes
+    assert a.call("offer", name="chat", count=8, seed=1, published=8)["admitted"] == 8
+    assert a.call("stats")["remote"]["published"] == 8
+    got = b.call("fetch", name="chat", count=8, seed=1)
+    assert got["first_pending"] == 8 and got["first_lookup_s"] < 0.1
+    assert (got["hit"], got["loaded"], got["wrong_bytes"]) == (8, 8, 0)
+    stats = b.call("stats")
+    assert stats["remote"]["hits"] == 8 and stats["remote"]["misses"] == 0
+    assert stats["pages_by_tier"][1] == 8  # admitted into B's DRAM
+    assert stats["remote"]["bandwidth"]["remote_read"]["samples"] >= 0
+
+
+def test_a_peer_killed_with_kill_9_costs_misses_never_wrong_bytes(
+    nodes: tuple[Node, Node],
+) -> None:
+    a, b = nodes
+    a.call("offer", name="gone", count=4, seed=2, published=4)
+    a.kill()
+    # The copying get of Mooncake's own client: the key may still be listed while
+    # its bytes are gone (0 bytes back) -- the case kvstore must never serve.
+    raw = b.call("raw_get", name="gone", count=4, seed=2)
+    assert raw["get_bytes"] == 0
+    got = b.call("fetch", name="gone", count=4, seed=2)
+    assert got["wrong_bytes"] == 0 and got["loaded"] == 0
+    remote = b.call("stats")["remote"]
+    assert remote["hits"] == 0
+    _serves_locally(b, "local-after-kill")
+
+
+def test_a_bad_checksum_under_a_real_key_is_a_miss(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    assert a.call("publish_bad", name="bad", count=1, seed=3)["rc"] == 0
+    got = b.call("fetch", name="bad", count=1, seed=3)
+    assert (got["loaded"], got["wrong_bytes"]) == (0, 0)
+    assert b.call("stats")["remote"]["miss_reasons"] == {"checksum": 1}
+    _serves_locally(b, "local-after-bad")
+
+
+def test_master_stopped_then_restarted_degrades_and_reconnects(
+    nodes: tuple[Node, Node], master: MooncakeMaster
+) -> None:
+    a, b = nodes
+    master.stop()
+    state = b.call("wait_up", state="degraded", timeout_s=15)
+    assert state["state"] == "degraded", state
+    _serves_locally(b, "local-master-down")
+    got = b.call("fetch", name="nothing", count=2, seed=4)
+    assert got["first_pending"] == 0 and got["wrong_bytes"] == 0
+    master.start()
+    for node in (a, b):
+        assert node.call("wait_up", timeout_s=30)["state"] == "up"
+    a.call("offer", name="after", count=4, seed=5, published=4)
+    got = b.call("fetch", name="after", count=4, seed=5)
+    assert (got["loaded"], got["wrong_bytes"]) == (4, 0)
+
+
+def test_a_hung_peer_is_a_late_miss_and_local_serving_goes_on(
+    nodes: tuple[Node, Node],
+) -> None:
+    a, b = nodes
+    a.call("offer", name="hung", count=4, seed=6, published=4)
+    a.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        got = b.call("fetch", name="hung", count=4, seed=6, timeout_s=4)
+        assert got["first_lookup_s"] < 0.1  # the caller's thread never waits
+        assert (got["loaded"], got["wrong_bytes"]) == (0, 0)
+        assert time.monotonic() - started < 15
+        remote = b.call("stats")["remote"]
+        assert remote["state"] == "degraded" and "deadline" in remote["degraded_reason"]
+        assert remote["miss_reasons"].get("late", 0) == 4
+        _serves_locally(b, "local-peer-hung")
+    finally:
+        a.signal(signal.SIGCONT)
+    assert b.call("wait_up", timeout_s=30)["state"] == "up"
