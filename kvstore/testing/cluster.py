@@ -173,6 +173,9 @@ def _node(config_json: str) -> int:
 
     tm = TierManager.open(TierConfig(**json.loads(config_json)))
     remote: Any = tm._remote
+
+    def summary() -> dict[str, Any]:
+        return dict(tm.stats().remote or {})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
@@ -183,20 +186,20 @@ def _node(config_json: str) -> int:
             elif op == "wait_up":
                 deadline = time.monotonic() + float(cmd.get("timeout_s", 15))
                 want = cmd.get("state", "up")
-                while tm.stats().remote["state"] != want and time.monotonic() < deadline:
+                while summary()["state"] != want and time.monotonic() < deadline:
                     time.sleep(0.05)
-                out["state"] = tm.stats().remote["state"]
-                out["reason"] = tm.stats().remote["degraded_reason"]
+                out["state"] = summary()["state"]
+                out["reason"] = summary()["degraded_reason"]
             elif op == "offer":
                 keys, pages = pages_of(cmd["name"], cmd["count"], cmd["seed"])
-                result = tm.offer(keys, pages)
+                offered = tm.offer(keys, pages)
                 tm.drain(10)
                 deadline = time.monotonic() + 10
-                while tm.stats().remote["published"] < cmd.get("published", 0):
+                while summary()["published"] < cmd.get("published", 0):
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.02)
-                out["admitted"] = result.admitted
+                out["admitted"] = offered.admitted
             elif op == "fetch":
                 keys, pages = pages_of(cmd["name"], cmd["count"], cmd["seed"])
                 started = time.monotonic()
@@ -226,7 +229,7 @@ def _node(config_json: str) -> int:
                 value = np.zeros(4096 + PAGE_BYTES, dtype=np.uint8)
                 payload = pages[0].numpy()
                 encode_remote_header_into(
-                    memoryview(value[:4096]),
+                    memoryview(value[:4096].data),
                     namespace=NAMESPACE,
                     key=keys[0],
                     payload=payload,
@@ -246,7 +249,7 @@ def _node(config_json: str) -> int:
                 out["get_bytes"] = len(client.get(name))
             elif op == "stats":
                 stats = tm.stats()
-                out = {"remote": dict(stats.remote), "pages_by_tier": list(stats.pages_by_tier)}
+                out = {"remote": summary(), "pages_by_tier": list(stats.pages_by_tier)}
             elif op == "exit":
                 print(json.dumps({}), flush=True)
                 break
