@@ -818,6 +818,9 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
             f"{fit['samples']:,}",
         )
     console.print(bandwidth)
+    remote = summary.get("remote")
+    if remote:
+        _print_remote(remote)
     if summary["top_reuse_classes"]:
         reuse = Table(
             title=f"reuse classes (top {len(summary['top_reuse_classes'])} "
@@ -835,6 +838,33 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
                 f"{row['p_reuse']:.3f}",
             )
         console.print(reuse)
+
+
+def _print_remote(remote: dict[str, Any]) -> None:
+    """The remote tier's section of ``kvstore tier stat`` (docs/tiering.md)."""
+    table = Table(title="remote tier", show_header=False)
+    backend = remote.get("backend", {})
+    state = remote["state"] + (
+        f": {remote['degraded_reason']}" if remote["degraded_reason"] else ""
+    )
+    for name, value in (
+        ("backend", escape(", ".join(f"{k}={v}" for k, v in backend.items()))),
+        ("namespace", escape(str(remote["namespace"]))),
+        ("state", escape(state)),
+        ("hits (pages)", f"{remote['hits']:,}"),
+        ("misses", f"{remote['misses']:,}"),
+        (
+            "misses by reason",
+            ", ".join(f"{k} {v:,}" for k, v in remote["miss_reasons"].items()) or "-",
+        ),
+        ("published (pages)", f"{remote['published']:,}"),
+        ("read / written", f"{_mib(remote['bytes_read'])} / {_mib(remote['bytes_written'])}"),
+        ("kappa", f"{remote['kappa']:.2f}" + ("" if remote["in_use"] else " (not in use)")),
+    ):
+        table.add_row(name, value)
+    for path, fit in remote["bandwidth"].items():
+        table.add_row(path, f"{fit['bytes_per_s'] / 1e9:,.2f} GB/s, {fit['samples']:,} samples")
+    console.print(table)
 
 
 def _mib(nbytes: int) -> str:

@@ -88,6 +88,7 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
         stats.page_table_bytes,
     )
     yield _counter("kvstore_tier_lookups", "Lookups the tier manager answered", stats.lookups)
+    remote = stats.remote
     for name, values, documentation in (
         ("kvstore_tier_used_bytes", stats.used_bytes, "Bytes of pages held in each tier"),
         ("kvstore_tier_pages", stats.pages_by_tier, "Pages held in each tier"),
@@ -98,7 +99,8 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
             "Admission bar per tier: seconds of recompute saved per byte (admit at VD >= tau)",
         ),
     ):
-        yield _per_tier(name, documentation, values)
+        remote_kappa = float(remote["kappa"]) if remote and name == "kvstore_tier_kappa" else None
+        yield _per_tier(name, documentation, values, remote_kappa)
     # A tier without a bound (NVMe without capacity_bytes) has no capacity sample: a
     # ratio to it is then no series rather than a fraction of a made-up number.
     capacity = GaugeMetricFamily(
@@ -115,7 +117,10 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
         "1 where the tier is used for loads (HBM always; DRAM and NVMe while kappa >= 1), "
         "0 where loading from it is measured slower than recomputing",
         tuple(1.0 if used else 0.0 for used in stats.in_use),
+        (1.0 if remote["in_use"] else 0.0) if remote else None,
     )
+    if remote:
+        yield from _remote_families(remote)
     yield _split_counter(
         "kvstore_tier_admissions",
         "Admission decisions by tier and decision (admitted, below_tau, full, ...)",
@@ -250,11 +255,62 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return family
 
 
-def _per_tier(name: str, documentation: str, values: Iterable[float]) -> GaugeMetricFamily:
+def _per_tier(
+    name: str, documentation: str, values: Iterable[float], remote: float | None = None
+) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation, labels=["tier"])
     for tier, value in zip(TIER_NAMES, values, strict=True):
         family.add_metric([tier], value)
+    if remote is not None:
+        family.add_metric(["remote"], remote)
     return family
+
+
+def _remote_families(remote: Mapping[str, Any]) -> Iterator[Metric]:
+    """The remote tier's own families (docs/tiering.md, "The remote tier"), labelled
+    ``tier="remote"`` like the per-tier ones."""
+    yield _labelled(
+        GaugeMetricFamily,
+        "kvstore_tier_degraded",
+        "1 while the remote tier is degraded (master unreachable, a call past its "
+        "deadline): local tiers serve alone",
+        1.0 if remote["state"] != "up" else 0.0,
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        "kvstore_tier_remote_hits",
+        "Pages read from the remote tier, verified and admitted to DRAM",
+        remote["hits"],
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        "kvstore_tier_remote_published",
+        "Pages published to the remote tier",
+        remote["published"],
+    )
+    misses = CounterMetricFamily(
+        "kvstore_tier_remote_misses",
+        "Remote reads that served no page, by reason (absent, transfer, master, short, "
+        "empty, late, mismatched, checksum, unverifiable, orphan, no_slot, busy)",
+        labels=["tier", "reason"],
+    )
+    for reason, count in sorted(remote["miss_reasons"].items()):
+        misses.add_metric(["remote", reason], count)
+    yield misses
+    bandwidth = GaugeMetricFamily(
+        "kvstore_tier_remote_bandwidth_bytes_per_second",
+        "Fitted bandwidth of the remote tier's reads and writes",
+        labels=["tier", "path"],
+    )
+    for path, fit in sorted(remote["bandwidth"].items()):
+        bandwidth.add_metric(["remote", path], float(fit["bytes_per_s"]))
+    yield bandwidth
+
+
+def _labelled(kind: Any, name: str, documentation: str, value: float) -> Metric:
+    family = kind(name, documentation, labels=["tier"])
+    family.add_metric(["remote"], value)
+    return family  # type: ignore[no-any-return]
 
 
 def _per_path(name: str, documentation: str, values: Mapping[str, float]) -> GaugeMetricFamily:

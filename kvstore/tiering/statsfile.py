@@ -281,6 +281,8 @@ def summarize(
         "reuse_classes": len(classes),
         "top_reuse_classes": classes[:top],
         "counters": dict(sorted(summary["counters"].items())),
+        # the remote tier's section (RemoteTier.summary), None without one
+        "remote": summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
     }
 
 
@@ -343,6 +345,7 @@ def stats_view_from_file(data: Mapping[str, Any]) -> TierStats:
             in_use(1, float(summary["kappa"][1]), int(summary["capacity_bytes"][1])),
             in_use(2, float(summary["kappa"][2]), int(summary["capacity_bytes"][2])),
         ),
+        remote=summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
     )
 
 

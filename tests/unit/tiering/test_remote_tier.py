@@ -221,3 +221,19 @@ def test_config_refuses_a_remote_tier_without_a_namespace() -> None:
         load_config(4, PB, remote_backend="memory")
     with pytest.raises(ValueError, match="unknown remote_backend"):
         TierManager.open(load_config(4, PB, remote_backend="nope", remote_namespace="x"))
+
+
+def test_metrics_and_tier_stat_show_the_remote_tier(cluster: str, tmp_path: object) -> None:
+    from prometheus_client import generate_latest
+
+    from kvstore.telemetry.prometheus import lint_exposition
+
+    with TierManager.open(_config(cluster)) as a:
+        _until(a, lambda: _up(a))
+        memory_cluster(cluster).down = True
+        _until(a, lambda: not _up(a))
+        text = generate_latest(a.metrics_registry()).decode()
+        assert 'kvstore_tier_degraded{tier="remote"} 1.0' in text
+        assert 'kvstore_tier_kappa{tier="remote"}' in text
+        assert not lint_exposition(text)
+        memory_cluster(cluster).down = False
