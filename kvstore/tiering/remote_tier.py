@@ -26,7 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ REMOTE_READ, REMOTE_WRITE = "remote_read", "remote_write"  # the paths' names
 _HDR = REMOTE_HEADER_BYTES
 _PUBLISHED_KEYS = 1 << 20  # keys remembered as published (oldest forgotten first)
 _EXPLORE_S = 5.0  # with kappa < 1, one read this often re-measures the network
+_READ_CHUNK = 16  # pages per read call: checksums of one overlap the next's transfer
 _RETRY_S = 5.0  # a page whose read missed (bad, late, absent) is not asked again sooner
 _READY = PageState.READY
 
@@ -70,6 +71,20 @@ class _Fetch:
     keys: list[bytes]
     parent: bytes | None  # the page before keys[0] in the lookup (None: a root)
     items: list[tuple[bytes, int, int, int]] | None = None  # key, slot, header, payload
+    chunks: list[RemoteJob] = field(default_factory=list)  # the reads, in key order
+    next: int = 0  # the first chunk not admitted yet
+    expected: bytes | None = None  # the parent the next page must name
+    chain: bool = True  # no page missed so far
+
+    def __post_init__(self) -> None:
+        self.expected = self.parent
+
+
+@dataclass
+class _Chunk:
+    fetch: _Fetch
+    items: list[tuple[bytes, int, int, int]]
+    polled: bool = False
 
 
 class RemoteTier:
@@ -116,6 +131,7 @@ class RemoteTier:
         self._connected = False
         self._last_health = -math.inf
         self._last_explore = -math.inf
+        self._now_hint = 0.0  # the manager's clock at the last harvest
         self._control_job: RemoteJob | None = None
         self._data = RemoteLink(config.remote_workers, "data")
         self._control = RemoteLink(1, "control")
@@ -251,6 +267,17 @@ class RemoteTier:
             self._bump("lookups:absent")
             return
         fetch.items = items
+        for at in range(0, len(items), _READ_CHUNK):
+            chunk = _Chunk(fetch, items[at : at + _READ_CHUNK])
+            job = self._data.submit("get", self._reader(chunk.items), self._deadline_s, chunk)
+            job.nbytes = sum(_HDR + n for _, _, _, n in chunk.items)
+            fetch.chunks.append(job)
+
+    def _reader(
+        self, items: list[tuple[bytes, int, int, int]]
+    ) -> Callable[[], list[tuple[RemotePage | None, str]]]:
+        """The call that reads ``items`` into their slots and verifies each (a worker
+        runs it: the checksums too stay off the manager's lock)."""
         names = [remote_key(self.namespace, k) for k, _, _, _ in items]
         views = [self._dram.view(slot, n) for _, slot, _, n in items]
         parts = [
@@ -258,7 +285,7 @@ class RemoteTier:
             for (_, _, h, n), view in zip(items, views, strict=True)
         ]
         headers = [self._header(h) for _, _, h, _ in items]
-        backend, namespace = self._backend, self.namespace
+        backend, namespace, limit = self._backend, self.namespace, self.config.page_bytes
 
         def read() -> list[tuple[RemotePage | None, str]]:
             got = backend.get_into(names, parts)
@@ -284,24 +311,42 @@ class RemoteTier:
                         out.append((None, str(e).split(":", 1)[0]))
             return out
 
-        job2 = self._data.submit("get", read, self._deadline_s, fetch)
-        job2.nbytes = sum(_HDR + n for _, _, _, n in items)
+        return read
 
     def _get_done(self, job: RemoteJob, now: float) -> None:
-        fetch: _Fetch = job.context
-        items = fetch.items or []
+        chunk: _Chunk = job.context
         if job.expired:  # counted late when it was given up on: only give back
-            for _, slot, header, _ in items:
+            for _, slot, header, _ in chunk.items:
                 self._dram.free(slot)
                 self._free_headers.append(header)
             return
+        chunk.polled = True
+        self._advance(chunk.fetch, now)
+
+    def _advance(self, fetch: _Fetch, now: float) -> None:
+        """Admit the chunks of a fetch in order (a page's parent is the page before it),
+        as far as they have returned; a chunk given up on breaks the chain."""
+        while fetch.next < len(fetch.chunks):
+            job = fetch.chunks[fetch.next]
+            chunk: _Chunk = job.context
+            if job.expired:
+                fetch.chain = False
+                if fetch.chunks and chunk.items:
+                    fetch.expected = chunk.items[-1][0]
+            elif not chunk.polled:
+                return
+            else:
+                self._admit_chunk(job, chunk, now)
+            fetch.next += 1
+
+    def _admit_chunk(self, job: RemoteJob, chunk: _Chunk, now: float) -> None:
+        fetch, items = chunk.fetch, chunk.items
         if job.error is not None:
             self._failed(job.error)
         results: list[tuple[RemotePage | None, str]] = (
             job.result if job.error is None else [(None, "error")] * len(items)
         )
-        expected = fetch.parent
-        chain = True
+        expected, chain = fetch.expected, fetch.chain
         moved = 0
         state, pages = self._state, self._pages
         for (key, slot, header, _), (page, reason) in zip(items, results, strict=True):
@@ -347,6 +392,7 @@ class RemoteTier:
                     self._dram.free(slot)
                 chain = False
             expected = key
+        fetch.expected, fetch.chain = expected, chain
         seconds = job.seconds()
         if moved and seconds:
             self.bandwidth[REMOTE_READ].observe(moved, seconds, now)
@@ -453,6 +499,7 @@ class RemoteTier:
 
     def harvest(self, now: float) -> int:
         """Process the calls that returned (under the manager's lock); how many."""
+        self._now_hint = now
         jobs = self._data.poll()
         control = self._control.poll()
         for job in jobs:
@@ -489,14 +536,14 @@ class RemoteTier:
             job.expired = True
             self._bump("late_calls")
             context = job.context
-            if job.kind in ("query", "get"):
-                fetch: _Fetch = context
-                keys = [k for k, _, _, _ in fetch.items] if fetch.items else fetch.keys
-                for key in keys:
+            if job.kind == "query":
+                for key in context.keys:
                     self._fetching.discard(key)
-                if job.kind == "get":
-                    for key in keys:
-                        self._miss("late", key=key)
+            elif job.kind == "get":
+                for key, _, _, _ in context.items:
+                    self._fetching.discard(key)
+                    self._miss("late", key=key)
+                self._advance(context.fetch, self._now_hint)
             else:
                 self._bump("publish:late", len(context))
             self._degrade(

@@ -85,19 +85,19 @@ def _fetch(tm: TierManager, keys: list[bytes]) -> int:
 
 
 def test_a_page_offered_on_a_is_loaded_bit_exact_on_b(cluster: str) -> None:
-    keys, srcs = _pages("p", 8, 1)
+    keys, srcs = _pages("p", 24, 1)  # two read calls: 16 and 8 pages
     with TierManager.open(_config(cluster)) as a, TierManager.open(_config(cluster)) as b:
         _until(a, lambda: _up(a) and _up(b))
-        assert a.offer(keys, srcs).admitted == 8
-        _until(a, lambda: a.stats().remote["published"] == 8)
+        assert a.offer(keys, srcs).admitted == 24
+        _until(a, lambda: a.stats().remote["published"] == 24)
         first = b.lookup(keys)
-        assert first.hit_pages == 0 and first.remote_pending == 8
-        assert _fetch(b, keys) == 8
+        assert first.hit_pages == 0 and first.remote_pending == 24
+        assert _fetch(b, keys) == 24
         got = _load(b, keys)
         assert all(torch.equal(x, y) for x, y in zip(got, srcs, strict=True))
         stats = b.stats()
-        assert stats.remote["hits"] == 8 and stats.remote["misses"] == 0
-        assert stats.pages_by_tier[1] == 8  # admitted locally, in DRAM
+        assert stats.remote["hits"] == 24 and stats.remote["misses"] == 0
+        assert stats.pages_by_tier[1] == 24  # admitted locally, in DRAM
         # pages read from the cluster are not published back
         assert stats.remote["published"] == 0
     # another namespace never sees them
