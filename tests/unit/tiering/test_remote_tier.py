@@ -85,7 +85,7 @@ def _fetch(tm: TierManager, keys: list[bytes]) -> int:
 
 
 def test_a_page_offered_on_a_is_loaded_bit_exact_on_b(cluster: str) -> None:
-    keys, srcs = _pages("p", 24, 1)  # two read calls: 16 and 8 pages
+    keys, srcs = _pages("p", 24, 1)  # read and verified in one call
     with TierManager.open(_config(cluster)) as a, TierManager.open(_config(cluster)) as b:
         _until(a, lambda: _up(a) and _up(b))
         assert a.offer(keys, srcs).admitted == 24
