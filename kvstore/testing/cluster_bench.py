@@ -93,9 +93,13 @@ def _measure(
             raise RuntimeError("node B's remote tier did not come up")
         time.sleep(0.05)
     backend = tm._remote._backend
+    # Both destinations touched once before the rounds, as a serving node's arena is
+    # after its first minutes: otherwise B's reads pay first-touch page faults on
+    # every fresh slot that Mooncake's reused buffer paid only in round one.
+    tm._dram.buffer().fill_(0)
     client = backend.client
     value_bytes = page_bytes + 4096
-    buffer = torch.empty(pages * value_bytes, dtype=torch.uint8)
+    buffer = torch.zeros(pages * value_bytes, dtype=torch.uint8)
     base = buffer.data_ptr()
     if client.register_buffer(base, buffer.numel()) != 0:
         raise RuntimeError("register_buffer failed")
