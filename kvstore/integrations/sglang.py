@@ -391,6 +391,10 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         geometry = self._geometry
         options: dict[str, Any] = {"placement": "write_through"}
         options.update(extra.get("tier_options") or {})
+        if options.get("remote_backend"):
+            # The remote tier's namespace is the store's: model, ranks, layout, dtype,
+            # page geometry and `namespace` (the directory's name is their digest).
+            options.setdefault("remote_namespace", f"sglang/{directory.name}")
         # The engine prefills on its GPU: the recompute side of the plan is a GPU's
         # (the manager's own device is its host memory); tier_options may say better.
         options.setdefault("compute_flops", GPU_COMPUTE_FLOPS)

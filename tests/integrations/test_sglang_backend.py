@@ -554,3 +554,41 @@ def test_a_second_live_instance_is_refused_at_creation(tmp_path: Path) -> None:
         assert got is not None and torch.equal(got, value(1))
     finally:
         close(successor)
+
+
+def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_the_cluster_tier(
+    tmp_path: Path,
+) -> None:
+    """Two nodes, each its own store root, sharing the cluster tier (the in-process
+    cluster here; Mooncake's is tested in tests/unit/tiering/test_remote_mooncake.py):
+    node B's batch_exists asks the cluster, and once the pages landed they are hits."""
+    import time
+
+    remote = {
+        "tier_options": {
+            "remote_backend": "memory",
+            "remote_options": {"cluster": f"sglang-{tmp_path.name}"},
+            "remote_health_s": 0.05,
+        }
+    }
+    a = make_kvstore(tmp_path / "a", options=remote)
+    b = make_kvstore(tmp_path / "b", options=remote)
+    try:
+        keys = [f"prefix{i}" for i in range(5)]
+        values = [value(i) for i in range(5)]
+        assert a.batch_set(keys, values)
+        deadline = time.monotonic() + 10
+        while a._manager().stats().remote["published"] < 5:
+            assert time.monotonic() < deadline, a._manager().stats().remote
+            time.sleep(0.02)
+        found = b.batch_exists(keys)  # local first: nothing yet; the cluster is asked
+        while found < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            found = b.batch_exists(keys)
+        assert found == 5
+        got = b.batch_get(keys, [torch.empty_like(v) for v in values])
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+        assert b._manager().stats().remote["hits"] >= 5
+    finally:
+        close(a)
+        close(b)
