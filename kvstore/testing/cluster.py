@@ -176,6 +176,7 @@ def _node(config_json: str) -> int:
 
     def summary() -> dict[str, Any]:
         return dict(tm.stats().remote or {})
+
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
@@ -194,7 +195,7 @@ def _node(config_json: str) -> int:
                 keys, pages = pages_of(cmd["name"], cmd["count"], cmd["seed"])
                 offered = tm.offer(keys, pages)
                 tm.drain(10)
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + float(cmd.get("wait_s", 10))
                 while summary()["published"] < cmd.get("published", 0):
                     if time.monotonic() > deadline:
                         break

@@ -171,6 +171,17 @@ class MooncakeBackend(RemoteBackend):
             [[n for _, n in p] for p in parts],
             self._replicate,
         )
+        failed = [i for i, c in enumerate(codes) if c < 0 and reason_of(c) == "error"]
+        if failed and self.prefer_local:
+            # The node's own segment is not (yet) known to the master, e.g. right after
+            # a master restart until the client re-mounts it: anywhere in the pool.
+            retried = client.batch_put_from_multi_buffers(
+                [keys[i] for i in failed],
+                [[a for a, _ in parts[i]] for i in failed],
+                [[n for _, n in parts[i]] for i in failed],
+            )
+            for i, code in zip(failed, retried, strict=True):
+                codes[i] = code
         sizes = [sum(n for _, n in p) for p in parts]
         return [(n, "") if c >= 0 else (0, reason_of(c)) for c, n in zip(codes, sizes, strict=True)]
 
