@@ -263,8 +263,8 @@ class _Worker:
         self.cycle = int(args.cycle)
         self.fresh_prob = float(args.fresh_prob)
         self.bounded = bool(args.capacity_mib)
-        self.pipelined = bool(args.pipelined)
-        self.aligned = bool(args.aligned)
+        self.pipelined = bool(getattr(args, "pipelined", False))
+        self.aligned = bool(getattr(args, "aligned", False))
         # --pipelined: put_many_async batches not yet done, oldest first.
         self.in_flight: collections.deque[tuple[Future[list[bool]], list[tuple[str, int]], bool]]
         self.in_flight = collections.deque()
