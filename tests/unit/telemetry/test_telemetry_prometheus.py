@@ -159,12 +159,27 @@ def test_alert_rules_use_only_metrics_the_store_exports(open_store: OpenStore) -
     from tests.unit.tiering.test_tiering_metrics import fake_stats
 
     exported = set()
-    for each in (registry, tier_registry_for(fake_stats)):  # the tier manager's: kvstore-tier
+    remote = {  # a remote tier's summary (docs/tiering.md, "The remote tier")
+        "state": "degraded",
+        "hits": 1,
+        "published": 2,
+        "miss_reasons": {"absent": 3},
+        "bandwidth": {"read": {"bytes_per_s": 1e9}},
+        "kappa": 2.0,
+        "in_use": True,
+    }
+    tier_registries = (
+        tier_registry_for(fake_stats),
+        tier_registry_for(lambda: fake_stats(remote=remote)),
+    )
+    for each in (registry, *tier_registries):  # the tier manager's: kvstore-tier
         for family in text_string_to_metric_families(generate_latest(each).decode()):
             exported.update(sample.name for sample in family.samples)
     rules = (REPO_ROOT / "docs" / "alerts" / "kvstore.rules.yml").read_text()
     expressions = re.findall(r"expr: (?:\|\n)?((?:.*\n)+?)\s+(?:for|labels):", rules)
-    assert len(expressions) == 14
+    assert (
+        len(expressions) == 15
+    )  # the store's, the tier manager's, the remote tier's degraded alert
     used = set()
     for expression in expressions:
         for name in re.findall(r"\b(kv[a-z0-9_]*)\b", expression):
