@@ -110,9 +110,6 @@ class SimulatedCopies(Copies):
     def destinations(self, dst: Sequence[Any] | None, count: int) -> list[Any]:
         return [None] * count
 
-    def source(self, rec: PageRec, tier: int) -> Any:
-        return None
-
     def offer(
         self, path: Path, tier: int, recs: list[PageRec], srcs: list[Any], event: Any
     ) -> Ticket:
