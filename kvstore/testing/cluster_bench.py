@@ -3,7 +3,8 @@
 
 Over loopback: a Mooncake master, node A (a process: ``kvstore.testing.cluster``)
 that offers and publishes ``rounds`` sets of ``pages`` pages, and node B here: per
-round, B's tier manager looks a set up and polls its lookups until every page is a
+round, B's tier manager looks a set up and looks it up again, each time a remote call
+of its tier returns (``--poll-ms``: on a timer instead), until every page is a
 verified DRAM page (the time from the first lookup to that), and Mooncake's client
 (B's own) reads the same values with ``batch_get_into`` into a registered buffer of
 the same kind (a torch CPU allocation, as the DRAM arena). Which goes first alternates
@@ -24,7 +25,7 @@ from typing import Any
 __all__ = ["main", "run"]
 
 
-def run(pages: int, rounds: int, out_dir: Path) -> dict[str, Any]:
+def run(pages: int, rounds: int, out_dir: Path, poll_s: float = 0.0) -> dict[str, Any]:
     import torch
 
     from kvstore.format.remote import REMOTE_HEADER_BYTES, remote_key
@@ -69,7 +70,9 @@ def run(pages: int, rounds: int, out_dir: Path) -> dict[str, Any]:
         )
         tm = TierManager.open(TierConfig(**config))
         try:
-            return _measure(tm, pages, rounds, torch, remote_key, NAMESPACE, PAGE_BYTES, pages_of)
+            return _measure(
+                tm, pages, rounds, torch, remote_key, NAMESPACE, PAGE_BYTES, pages_of, poll_s
+            )
         finally:
             tm.close()
     finally:
@@ -86,13 +89,15 @@ def _measure(
     namespace: str,
     page_bytes: int,
     pages_of: Any,
+    poll_s: float = 0.0,
 ) -> dict[str, Any]:
     deadline = time.monotonic() + 15
     while tm.stats().remote["state"] != "up":
         if time.monotonic() > deadline:
             raise RuntimeError("node B's remote tier did not come up")
         time.sleep(0.05)
-    backend = tm._remote._backend
+    remote = tm._remote
+    backend = remote._backend
     # Both destinations touched once before the rounds, as a serving node's arena is
     # after its first minutes: otherwise B's reads pay first-touch page faults on
     # every fresh slot that Mooncake's reused buffer paid only in round one.
@@ -113,11 +118,16 @@ def _measure(
 
         def ours(keys: list[bytes] = keys) -> float:
             started = time.perf_counter()
+            seen = remote.returned()
             result = tm.lookup(keys)
             while result.hit_pages < len(keys):
                 if time.perf_counter() - started > 10:
                     raise RuntimeError(f"only {result.hit_pages} of {len(keys)} pages arrived")
-                time.sleep(0.001)
+                if poll_s:
+                    time.sleep(poll_s)
+                else:  # woken when a remote call returns (a 2 ms backstop)
+                    remote.wait_returned(seen, 0.002)
+                    seen = remote.returned()
                 result = tm.lookup(keys)
             return time.perf_counter() - started
 
@@ -167,7 +177,13 @@ def _measure(
         "wrong_bytes": wrong,
         "pages_loaded_and_compared": loaded,
         "plans": plans,
-        "remote": {k: v for k, v in tm.stats().remote.items() if k in ("hits", "misses")},
+        "wait": f"poll every {poll_s * 1e3:g} ms" if poll_s else "woken by remote completions",
+        "remote": {
+            k: v for k, v in tm.stats().remote.items() if k in ("hits", "misses", "miss_reasons")
+        },
+        "lookups": {
+            k: v for k, v in tm.stats().remote["counters"].items() if k.startswith("lookups")
+        },
     }
 
 
@@ -175,10 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=64, help="pages per round (256 KiB each)")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--poll-ms",
+        type=float,
+        default=0.0,
+        help="look up again on this timer instead of when a remote call returns",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
-        out = run(args.pages, args.rounds, Path(tmp))
+        out = run(args.pages, args.rounds, Path(tmp), args.poll_ms / 1e3)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -35,6 +35,7 @@ __all__ = [
     "RemoteError",
     "RemoteJob",
     "RemoteLink",
+    "cut_parts",
     "memory_cluster",
     "open_remote_backend",
     "register_remote_backend",
@@ -85,6 +86,33 @@ class RemoteBackend(abc.ABC):
     def get_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
         """Read each value scattered into its parts (their sizes add up to the value's)."""
 
+    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        """Read each value into its parts without knowing its size first: the parts
+        may hold more than the value (a page's whole DRAM slot), which fills them in
+        order; ``nbytes`` is the value's size. ``absent`` where the cluster holds
+        none, ``too_large`` where it does not fit. This default asks the sizes and
+        then reads exactly (two round trips); a backend whose read takes a larger
+        destination at once overrides it."""
+        sizes = self.sizes(keys)
+        out: list[tuple[int, str]] = [(0, "absent")] * len(keys)
+        asked: list[int] = []
+        cut: list[list[Part]] = []
+        for i, (size, value_parts) in enumerate(zip(sizes, parts, strict=True)):
+            if size is None:
+                continue
+            if size > sum(n for _, n in value_parts):
+                out[i] = (0, "too_large")
+            elif size == 0:
+                out[i] = (0, "")
+            else:
+                asked.append(i)
+                cut.append(cut_parts(value_parts, size))
+        if asked:
+            got = self.get_into([keys[i] for i in asked], cut)
+            for i, result in zip(asked, got, strict=True):
+                out[i] = result
+        return out
+
     @abc.abstractmethod
     def put_from(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
         """Publish each value gathered from its parts; a key already held is no error."""
@@ -99,6 +127,17 @@ class RemoteBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (a backend with nothing to leave)
         """Leave the cluster; never called while a call of this backend still runs."""
+
+
+def cut_parts(parts: Sequence[Part], nbytes: int) -> list[Part]:
+    """The leading ``nbytes`` of ``parts`` (parts past them dropped, the last cut)."""
+    out: list[Part] = []
+    for address, n in parts:
+        if nbytes <= 0:
+            break
+        out.append((address, min(n, nbytes)))
+        nbytes -= n
+    return out
 
 
 def register_remote_backend(name: str) -> Callable[[type[RemoteBackend]], type[RemoteBackend]]:
@@ -159,7 +198,9 @@ class RemoteLink:
         self._done: deque[RemoteJob] = deque()
         self.in_flight: set[RemoteJob] = set()  # submitted, not yet polled back
         self._lock = threading.Lock()
-        self._wake: Callable[[], None] | None = None
+        # Every returned call bumps ``finished`` and wakes ``wait_finished``.
+        self._finished = threading.Condition(self._lock)
+        self.finished = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"kvstore-remote-{name}-{i}", daemon=True)
             for i in range(workers)
@@ -189,6 +230,14 @@ class RemoteLink:
             job.finished_s = time.monotonic()
             with self._lock:
                 self._done.append(job)
+                self.finished += 1
+                self._finished.notify_all()
+
+    def wait_finished(self, seen: int, timeout_s: float) -> bool:
+        """Block until a call returns after ``finished`` was ``seen`` (True), or
+        ``timeout_s`` passes (False)."""
+        with self._lock:
+            return self._finished.wait_for(lambda: self.finished != seen, timeout_s)
 
     def poll(self) -> list[RemoteJob]:
         """The jobs that returned since the last poll; never blocks."""
@@ -301,6 +350,26 @@ class MemoryBackend(RemoteBackend):
                 ctypes.memmove(address, value[at : at + nbytes], nbytes)
                 at += nbytes
             out.append((len(value), ""))
+        return out
+
+    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        self._reachable()
+        out: list[tuple[int, str]] = []
+        for key, value_parts in zip(keys, parts, strict=True):
+            with self.cluster.lock:
+                value = self.cluster.values.get(key)
+            if value is None:
+                out.append((0, "absent"))
+            elif self.cluster.empty_gets:
+                out.append((0, ""))
+            elif len(value) > sum(n for _, n in value_parts):
+                out.append((0, "too_large"))
+            else:
+                at = 0
+                for address, nbytes in cut_parts(value_parts, len(value)):
+                    ctypes.memmove(address, value[at : at + nbytes], nbytes)
+                    at += nbytes
+                out.append((len(value), ""))
         return out
 
     def put_from(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:

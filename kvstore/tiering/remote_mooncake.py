@@ -7,9 +7,10 @@ docs/integrations.md, "Beyond one machine". A client of a Mooncake Store cluster
 memory to the cluster's pool. Reads and writes are zero-copy: the tier manager's DRAM
 arena and its header blocks are registered once, and a value moves scattered into
 (or gathered from) its header block and its DRAM slot
-(``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``); sizes come from
-``batch_get_replica_desc`` (one call for a lookup's pages), since a scattered read
-must name the value's exact size.
+(``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``). A read goes
+straight into a page's whole DRAM slot (``read_into``); only a value smaller than its
+slot (Mooncake scatters into parts of exactly the value's size) costs a size query
+(``batch_get_replica_desc``) and a second read.
 
 Options (``TierConfig.remote_options``): ``master`` ("host:port", required),
 ``hostname`` (this node's address as peers reach it, default 127.0.0.1),
@@ -29,6 +30,7 @@ from kvstore.tiering.remote import (
     Part,
     RemoteBackend,
     RemoteError,
+    cut_parts,
     register_remote_backend,
 )
 
@@ -162,6 +164,34 @@ class MooncakeBackend(RemoteBackend):
             list(keys), [[a for a, _ in p] for p in parts], [[n for _, n in p] for p in parts]
         )
         return [(c, "") if c >= 0 else (0, reason_of(c)) for c in codes]
+
+    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        """One scattered read into the whole parts (the master's lookup of each key is
+        inside Mooncake's get: no size query first). Mooncake 0.3.13 moves a value
+        scattered only into parts of exactly its size, and answers a transfer failure
+        (-800) for a smaller value: those keys, and only those, are asked their size
+        and read again into parts cut to it."""
+        got = self.get_into(keys, parts)
+        again = [i for i, (_, reason) in enumerate(got) if reason == "transfer"]
+        if not again:
+            return got
+        asked: list[int] = []
+        cut: list[list[Part]] = []
+        for i, size in zip(again, self.sizes([keys[i] for i in again]), strict=True):
+            if size is None:
+                got[i] = (0, "absent")
+            elif size > sum(n for _, n in parts[i]):
+                got[i] = (0, "too_large")
+            elif size == 0:
+                got[i] = (0, "")
+            else:
+                asked.append(i)
+                cut.append(cut_parts(parts[i], size))
+        if asked:
+            retried = self.get_into([keys[i] for i in asked], cut)
+            for i, result in zip(asked, retried, strict=True):
+                got[i] = result
+        return got
 
     def put_from(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
         client = self._live()

@@ -2,8 +2,10 @@
 
 docs/tiering.md, "The remote tier". Lookups go local first: when a lookup's run of
 resident pages stops short of its keys, the pages that follow are asked of the
-cluster (their sizes in one call), read into DRAM slots (zero-copy where the backend
-allows: the arena is registered), verified against the wire header
+cluster: read straight into whole DRAM slots (no size query: a page is at most
+``page_bytes``; zero-copy where the backend allows: the arena is registered), or,
+with no free slot to take and a cluster that lately lacked most pages asked, after a
+size query into slots for the pages found; verified in place against the wire header
 (docs/format.md, "Remote tier value") and then admitted as DRAM pages, as an NVMe read
 would be; the engine's next lookup finds them there. Pages an offer lands in DRAM are
 published when their value density with the remote tier's measured load time passes
@@ -63,6 +65,10 @@ _PUBLISHED_KEYS = 1 << 20  # keys remembered as published (oldest forgotten firs
 _EXPLORE_S = 5.0  # with kappa < 1, one read this often re-measures the network
 _READ_CHUNK = 64  # pages per read call (Mooncake moves one large batch fastest)
 _RETRY_S = 5.0  # a page whose read missed (bad, late, absent) is not asked again sooner
+# A lookup reads straight into evicted-for slots while at least this share of the
+# pages asked lately was in the cluster (else free slots only, or a size query first).
+_SPECULATE_AT = 0.5
+_PRESENT_WEIGHT = 0.25  # one ask's weight in that share
 _READY = PageState.READY
 
 
@@ -75,6 +81,7 @@ class _Fetch:
     next: int = 0  # the first chunk not admitted yet
     expected: bytes | None = None  # the parent the next page must name
     chain: bool = True  # no page missed so far
+    absent_at: int | None = None  # a direct read: the first page the cluster lacks
 
     def __post_init__(self) -> None:
         self.expected = self.parent
@@ -84,6 +91,7 @@ class _Fetch:
 class _Chunk:
     fetch: _Fetch
     items: list[tuple[bytes, int, int, int]]
+    direct: bool = False  # read without a size query: an absent page ends the run
     polled: bool = False
 
 
@@ -124,6 +132,7 @@ class RemoteTier:
         self._headers = np.zeros(headers * _HDR, dtype=np.uint8)
         self._free_headers = list(range(headers - 1, -1, -1))
         self._fetching: set[bytes] = set()
+        self._present = 0.0  # share of asked pages the cluster held, lately
         self._missed: dict[bytes, float] = {}  # key -> when it may be asked again
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._from_remote: OrderedDict[bytes, None] = OrderedDict()
@@ -230,14 +239,47 @@ class RemoteTier:
             return 0
         prev = keys[hit - 1] if hit > 0 else None
         parent = None if prev is None else prev if type(prev) is bytes else page_key(prev)
-        names = [remote_key(self.namespace, k) for k in cont]
-        backend = self._backend
-        self._data.submit(
-            "query", lambda: backend.sizes(names), self._deadline_s, _Fetch(cont, parent)
-        )
+        fetch = _Fetch(cont, parent)
         self._fetching.update(cont)
         self._bump("lookups")
+        if not self._read_direct(fetch):
+            names = [remote_key(self.namespace, k) for k in cont]
+            backend = self._backend
+            self._data.submit("query", lambda: backend.sizes(names), self._deadline_s, fetch)
+            self._bump("lookups:queried")
         return len(cont)
+
+    def _read_direct(self, fetch: _Fetch) -> bool:
+        """Read the pages straight into whole DRAM slots, no size query first (a
+        manager's pages are at most ``page_bytes``): one round trip, started now.
+        Slots come free ones only, unless most pages asked lately were there: then
+        evicting for them is worth it; else (and with no header blocks) False, and
+        the lookup asks the sizes first and takes slots for the pages found only."""
+        n = len(fetch.keys)
+        if len(self._free_headers) < n:
+            return False
+        alloc = self._alloc if self._present >= _SPECULATE_AT else _no_evict(self._dram)
+        slots: list[int] = []
+        for _ in range(n):
+            slot = alloc(DRAM)
+            if slot is None:
+                for taken in slots:
+                    self._dram.free(taken)
+                return False
+            slots.append(slot)
+        limit = self.config.page_bytes
+        items = [
+            (key, slot, self._free_headers.pop(), limit)
+            for key, slot in zip(fetch.keys, slots, strict=True)
+        ]
+        self._bump("lookups:direct")
+        self._submit_reads(fetch, items, direct=True)
+        return True
+
+    def _saw(self, asked: int, present: int) -> None:
+        """The share of asked pages the cluster held, averaged over recent asks."""
+        if asked:
+            self._present += _PRESENT_WEIGHT * (present / asked - self._present)
 
     def _query_done(self, job: RemoteJob) -> None:
         fetch: _Fetch = job.context
@@ -246,6 +288,9 @@ class RemoteTier:
             self._failed(job.error)
         items: list[tuple[bytes, int, int, int]] = []
         limit = self.config.page_bytes
+        if job.error is None:
+            found = next((i for i, size in enumerate(sizes) if size is None), len(sizes))
+            self._saw(len(fetch.keys), found)
         for key, size in zip(fetch.keys, sizes, strict=False):
             if size is None:
                 break
@@ -266,18 +311,28 @@ class RemoteTier:
         if not items:
             self._bump("lookups:absent")
             return
+        self._submit_reads(fetch, items, direct=False)
+
+    def _submit_reads(
+        self, fetch: _Fetch, items: list[tuple[bytes, int, int, int]], *, direct: bool
+    ) -> None:
         fetch.items = items
         for at in range(0, len(items), _READ_CHUNK):
-            chunk = _Chunk(fetch, items[at : at + _READ_CHUNK])
-            job = self._data.submit("get", self._reader(chunk.items), self._deadline_s, chunk)
+            chunk = _Chunk(fetch, items[at : at + _READ_CHUNK], direct=direct)
+            job = self._data.submit(
+                "get", self._reader(chunk.items, direct), self._deadline_s, chunk
+            )
             job.nbytes = sum(_HDR + n for _, _, _, n in chunk.items)
             fetch.chunks.append(job)
 
     def _reader(
-        self, items: list[tuple[bytes, int, int, int]]
+        self, items: list[tuple[bytes, int, int, int]], direct: bool
     ) -> Callable[[], list[tuple[RemotePage | None, str]]]:
         """The call that reads ``items`` into their slots and verifies each (a worker
-        runs it: the checksums too stay off the manager's lock)."""
+        runs it: the checksums too stay off the manager's lock). ``direct``: each
+        item's size is its slot's, the most the value may be (``read_into``); else
+        the value's exact size, from a size query (``get_into``). Verified in place:
+        the header block and the payload's bytes as they landed in the slot."""
         names = [remote_key(self.namespace, k) for k, _, _, _ in items]
         views = [self._dram.view(slot, n) for _, slot, _, n in items]
         parts = [
@@ -288,20 +343,22 @@ class RemoteTier:
         backend, namespace, limit = self._backend, self.namespace, self.config.page_bytes
 
         def read() -> list[tuple[RemotePage | None, str]]:
-            got = backend.get_into(names, parts)
+            got = backend.read_into(names, parts) if direct else backend.get_into(names, parts)
             out: list[tuple[RemotePage | None, str]] = []
             for (key, _, _, n), (nbytes, reason), head, view in zip(
                 items, got, headers, views, strict=True
             ):
                 if reason:
                     out.append((None, reason))
-                elif nbytes != _HDR + n:
-                    out.append((None, "empty" if nbytes == 0 else "short"))
+                elif nbytes == 0:
+                    out.append((None, "empty"))
+                elif nbytes <= _HDR or nbytes > _HDR + n or (not direct and nbytes != _HDR + n):
+                    out.append((None, "short"))
                 else:
                     try:
                         page = verify_remote_value(
                             head,
-                            view.numpy(),
+                            view.numpy()[: nbytes - _HDR],
                             namespace=namespace,
                             key=key,
                             max_payload_bytes=limit,
@@ -349,10 +406,27 @@ class RemoteTier:
         expected, chain = fetch.expected, fetch.chain
         moved = 0
         state, pages = self._state, self._pages
-        for (key, slot, header, _), (page, reason) in zip(items, results, strict=True):
+        if chunk.direct and job.error is None:
+            # Absent pages were asked without a size query: where the cluster's run
+            # ends is no miss (a query would have stopped there); the pages after it
+            # were not really asked either.
+            end = next((i for i, (_, r) in enumerate(results) if r == "absent"), len(items))
+            if fetch.absent_at is None and end < len(items):
+                fetch.absent_at = fetch.next * _READ_CHUNK + end
+            self._saw(len(items), end)
+            if fetch.absent_at == 0:
+                self._bump("lookups:absent")
+        for at, ((key, slot, header, _), (page, reason)) in enumerate(
+            zip(items, results, strict=True)
+        ):
             self._free_headers.append(header)
             self._fetching.discard(key)
             admitted = False
+            if fetch.absent_at is not None and fetch.next * _READ_CHUNK + at >= fetch.absent_at:
+                self._dram.free(slot)
+                chain = False
+                expected = key
+                continue
             if page is None:
                 self._miss(reason or "error", key=key)
                 if reason == "master":
@@ -542,7 +616,7 @@ class RemoteTier:
             elif job.kind == "get":
                 for key, _, _, _ in context.items:
                     self._fetching.discard(key)
-                    self._miss("late", key=key)
+                    self._miss("late")  # asked again once the tier is back up
                 self._advance(context.fetch, self._now_hint)
             else:
                 self._bump("publish:late", len(context))
@@ -563,6 +637,16 @@ class RemoteTier:
                 self._control_job = self._control.submit(
                     "connect", backend.connect, self._deadline_s * 5
                 )
+
+    def returned(self) -> int:
+        """How many data calls have returned so far (``wait_returned``'s ``seen``)."""
+        return self._data.finished
+
+    def wait_returned(self, seen: int, timeout_s: float) -> bool:
+        """Block (without the manager's lock) until a data call returns after
+        ``returned()`` was ``seen``, or ``timeout_s`` passes: a caller waiting for its
+        remote pages looks up again when one may have landed, not on a timer."""
+        return self._data.wait_finished(seen, timeout_s)
 
     def busy(self) -> bool:
         """Calls in flight that have not been given up on (``TierManager.drain``)."""
@@ -605,6 +689,15 @@ class RemoteTier:
             "stuck_calls": self._data.stuck(),
             "counters": dict(sorted(c.items())),
         }
+
+
+def _no_evict(pool: SlotPool) -> Callable[[int], int | None]:
+    """``alloc`` that takes a free slot only (None when there is none)."""
+
+    def alloc(tier: int) -> int | None:
+        return pool.alloc()
+
+    return alloc
 
 
 def open_remote(

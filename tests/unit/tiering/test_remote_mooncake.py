@@ -139,3 +139,30 @@ def test_a_hung_peer_is_a_late_miss_and_local_serving_goes_on(
     finally:
         a.signal(signal.SIGCONT)
     assert b.call("wait_up", timeout_s=30)["state"] == "up"
+
+
+def test_read_into_a_slot_larger_than_the_value_falls_back_to_its_size(
+    master: MooncakeMaster,
+) -> None:
+    # Mooncake 0.3.13 scatters a value only into parts of exactly its size (a transfer
+    # failure otherwise): a value smaller than its slot is read again, cut to its size.
+    import numpy as np
+
+    from kvstore.tiering.remote_mooncake import MooncakeBackend
+
+    backend = MooncakeBackend({"master": master.address, "segment_bytes": 16 << 20})
+    buffer = np.zeros(3 * 8192, dtype=np.uint8)
+    backend.register(buffer.ctypes.data, buffer.nbytes)
+    backend.connect()
+    try:
+        full, small = bytes(range(256)) * 32, b"kv" * 1000  # 8192 and 2000 bytes
+        assert backend.client.put("full", full) == 0
+        assert backend.client.put("small", small) == 0
+        base = buffer.ctypes.data
+        parts = [[(base + i * 8192, 4096), (base + i * 8192 + 4096, 4096)] for i in range(3)]
+        got = backend.read_into(["full", "small", "none"], parts)
+        assert got == [(8192, ""), (2000, ""), (0, "absent")]
+        assert buffer[:8192].tobytes() == full
+        assert buffer[8192 : 8192 + 2000].tobytes() == small
+    finally:
+        backend.close()

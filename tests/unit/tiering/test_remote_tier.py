@@ -237,3 +237,58 @@ def test_metrics_and_tier_stat_show_the_remote_tier(cluster: str, tmp_path: obje
         assert 'kvstore_tier_kappa{tier="remote"}' in text
         assert not lint_exposition(text)
         memory_cluster(cluster).down = False
+
+
+def test_a_lookup_reads_straight_into_slots_without_a_size_query(cluster: str) -> None:
+    # A page smaller than its slot is read into the whole slot and admitted at its own
+    # size; where the cluster's run ends is no miss, and the pages after it are not
+    # counted either (a size query would have stopped there).
+    keys, srcs = _pages("s", 3, 11)
+    srcs[2] = srcs[2][: PB // 2].clone()
+    with TierManager.open(_config(cluster)) as a:
+        _until(a, lambda: _up(a))
+        assert a.offer(keys, srcs).admitted == 3
+        _until(a, lambda: a.stats().remote["published"] == 3)
+    asked = [*keys, b"s-not-published", b"s-after"]
+    with TierManager.open(_config(cluster)) as b:
+        _until(b, lambda: _up(b))
+        assert b.lookup(asked).remote_pending == 5
+        assert b.drain(5)
+        b.step()
+        remote = b.stats().remote
+        assert (remote["hits"], remote["misses"]) == (3, 0)
+        assert remote["counters"]["lookups:direct"] == 1
+        assert "lookups:queried" not in remote["counters"]
+        r = b.lookup(keys)
+        dst = [torch.zeros(PB, dtype=torch.uint8) for _ in range(3)]
+        h = b.prepare_load(r.plan, dst)
+        assert h.wait(5)
+        b.complete_load(h)
+        assert torch.equal(dst[0], srcs[0]) and torch.equal(dst[1], srcs[1])
+        assert torch.equal(dst[2][: PB // 2], srcs[2])
+        # Nothing in the cluster: an absent run, counted as such, never a miss.
+        assert b.lookup([b"nowhere-0", b"nowhere-1"]).remote_pending == 2
+        assert b.drain(5)
+        b.step()
+        assert b.lookup([b"nowhere-0", b"nowhere-1"]).hit_pages == 0
+        remote = b.stats().remote
+        assert remote["misses"] == 0 and remote["counters"]["lookups:absent"] >= 1
+        assert b.stats().pages_by_tier[1] == 3  # the absent run's slots came back
+
+
+def test_the_default_read_into_asks_sizes_then_reads_exactly(cluster: str) -> None:
+    # A backend without its own read_into: the base class's (sizes, then get_into).
+    import ctypes
+
+    from kvstore.tiering.remote import MemoryBackend, RemoteBackend
+
+    class Plain(MemoryBackend):
+        read_into = RemoteBackend.read_into  # type: ignore[assignment]
+
+    memory_cluster(cluster).values.update({"small": b"abc", "big": b"x" * 64})
+    backend = Plain({"cluster": cluster})
+    head, body = ctypes.create_string_buffer(2), ctypes.create_string_buffer(30)
+    parts = [(ctypes.addressof(head), 2), (ctypes.addressof(body), 30)]
+    got = backend.read_into(["small", "big", "none"], [parts, parts, parts])
+    assert got == [(3, ""), (0, "too_large"), (0, "absent")]
+    assert head.raw == b"ab" and body.raw[:1] == b"c"
