@@ -27,6 +27,7 @@ import math
 import multiprocessing
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -108,34 +109,30 @@ def config(path: str, case: Case, **overrides: Any) -> Any:
 @contextlib.contextmanager
 def slow_first_copies(count: int, factor: float = 100.0) -> Iterator[None]:
     """The CPU mover's first ``count`` tickets of each path take ``factor`` times
-    as long (a cold or preempted copy): the job sleeps after it ran."""
+    as long (a cold or preempted copy): each waits before it completes, on the
+    thread that finished it (a worker's, or the store's for a pipelined NVMe batch)."""
     from kvstore.tiering.mover import CPUMover
 
     if count <= 0:
         yield
         return
-    original = CPUMover._run_job
+    original = CPUMover._finish
     seen: dict[object, int] = {}
+    seen_lock = threading.Lock()
 
-    def run_job(self: Any, ticket: Any, job: Any) -> None:
-        n = seen.get(ticket.path, 0)
-        seen[ticket.path] = n + 1
-        if n >= count:
-            original(self, ticket, job)
-            return
+    def finish(self: Any, ticket: Any) -> None:
+        with seen_lock:
+            n = seen.get(ticket.path, 0)
+            seen[ticket.path] = n + 1
+        if n < count and ticket.started_s is not None:
+            time.sleep((factor - 1) * max(0.0, time.monotonic() - ticket.started_s))
+        original(self, ticket)
 
-        def slow(t: Any) -> None:
-            began = time.perf_counter()
-            job(t)
-            time.sleep((factor - 1) * (time.perf_counter() - began))
-
-        original(self, ticket, slow)
-
-    CPUMover._run_job = run_job  # type: ignore[method-assign]
+    CPUMover._finish = finish  # type: ignore[method-assign]
     try:
         yield
     finally:
-        CPUMover._run_job = original  # type: ignore[method-assign]
+        CPUMover._finish = original  # type: ignore[method-assign]
 
 
 def poison_stats(path: str, factor: float = 1000.0) -> None:

@@ -9,7 +9,12 @@ eviction decision). Three implementations share one interface
 ``CPUMover``   two daemon threads, each with its own priority queue: a copy
                thread (``kvstore-tier-copy``) for tensor copies and an I/O thread
                (``kvstore-tier-io``) for NVMe reads and writes through the
-               store. Within a queue, lower ``Priority`` first, then FIFO.
+               store. Within a queue, lower ``Priority`` first, then FIFO. The
+               I/O thread hands each NVMe job to the store's pipeline
+               (``put_many_async`` / ``get_many_into_async``, straight from and
+               into the DRAM slots) and keeps up to ``nvme_depth`` of them in
+               flight (default: the store's ``pipeline_depth``); the next job
+               waits in the queue, in priority order, for one to land.
 ``CUDAMover``  copies on CUDA streams: D2H (and D2D) on one, H2D on another, and
                DEMAND H2D on an expedited high-priority stream, so a load the
                engine waits for does not queue behind prefetches. Every copy
@@ -28,7 +33,9 @@ Ordering rules kept here (docs/tiering.md, "The mover and the ordering rules"):
   source block may be released once it has completed (``ticket.done()``).
 - A job that fails leaves its error in ``ticket.error``; a failed NVMe read
   reports every page as missing (``results`` all None), never as read. A job
-  never raises into the thread that runs it, and never kills it.
+  never raises into the thread that runs it, and never kills it. A pipelined
+  NVMe batch that fails is handled as a synchronous one would be: one page, its
+  error in the ticket; several, each page again alone, on the I/O thread.
 
 Tickets complete exactly once and ``poll()`` returns each exactly once. After a
 ``CUDAMover`` ticket has been returned by ``poll()`` its events go back to the
@@ -45,6 +52,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ClosedError
@@ -80,11 +88,21 @@ __all__ = [
     "make_mover",
 ]
 
-_Job = Callable[[Ticket], None]
+# A job returns None when it is done (the worker completes its ticket) or ``PENDING``
+# when it handed its work on (a store's pipeline): whoever finishes it completes it.
+_Job = Callable[[Ticket], object]
+PENDING = object()
+_NVME_PATHS = (Path.NVME_READ, Path.NVME_WRITE)
 
 
 class _WorkQueue:
-    """One daemon thread serving a priority queue of jobs (priority first, then FIFO)."""
+    """One daemon thread serving a priority queue of jobs (priority first, then FIFO).
+
+    ``limit`` caps the jobs held in flight (``hold`` / ``release``: work a job handed
+    on and that has not landed yet): while that many are, the next job waits in the
+    queue, so a DEMAND job queued meanwhile still goes first. The thread exits once
+    closed with nothing queued and nothing held.
+    """
 
     def __init__(self, name: str, run: Callable[[Ticket, _Job], None]) -> None:
         self._run_job = run
@@ -92,6 +110,8 @@ class _WorkQueue:
         self._heap: list[tuple[int, int, Ticket, _Job]] = []
         self._seq = itertools.count()
         self._closed = False
+        self.limit = 1
+        self._held = 0
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -102,18 +122,34 @@ class _WorkQueue:
             heapq.heappush(self._heap, (int(ticket.priority), next(self._seq), ticket, job))
             self._cond.notify()
 
+    def hold(self) -> None:
+        """A job of this queue handed its work on: one more in flight (worker thread)."""
+        with self._cond:
+            self._held += 1
+
+    def release(self, follow_up: tuple[Ticket, _Job] | None = None) -> None:
+        """Held work landed; ``follow_up`` is queued first (even after ``close``: the
+        thread stays until it ran), at its ticket's priority."""
+        with self._cond:
+            if follow_up is not None:
+                ticket, job = follow_up
+                heapq.heappush(self._heap, (int(ticket.priority), next(self._seq), ticket, job))
+            self._held -= 1
+            self._cond.notify_all()
+
     def _serve(self) -> None:
         while True:
             with self._cond:
-                while not self._heap and not self._closed:
+                while not (self._heap and self._held < self.limit):
+                    if self._closed and not self._heap and not self._held:
+                        return  # closed and drained
                     self._cond.wait()
-                if not self._heap:
-                    return  # closed and drained
                 _, _, ticket, job = heapq.heappop(self._heap)
             self._run_job(ticket, job)
 
     def close(self, *, cancel: bool) -> list[Ticket]:
-        """Stop taking jobs; with ``cancel`` drop the queued ones (returned); join the thread."""
+        """Stop taking jobs; with ``cancel`` drop the queued ones (returned); join the
+        thread (after the work held in flight has landed)."""
         with self._cond:
             self._closed = True
             cancelled = [entry[2] for entry in self._heap] if cancel else []
@@ -139,9 +175,16 @@ def _one_by_one(run: Callable[[int], object], count: int) -> list[Any]:
 class _ThreadedMover(Mover):
     """Ticket bookkeeping shared by the real movers: the lock, completions, the two queues."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, nvme_depth: int | None = None) -> None:
+        if nvme_depth is not None and (
+            isinstance(nvme_depth, bool) or not isinstance(nvme_depth, int) or nvme_depth < 1
+        ):
+            raise ValueError(f"nvme_depth must be an int >= 1 or None, got {nvme_depth!r}")
         super().__init__()
+        # NVMe batches in flight at once on the store's pipeline; None: its pipeline_depth.
+        self.nvme_depth = nvme_depth
         self._lock = threading.Lock()
+        self._nvme_landed_s = 0.0  # when the last NVMe job finished (monotonic)
         self._done_cond = threading.Condition(self._lock)
         self._completed: deque[Ticket] = deque()
         self._close_lock = threading.Lock()
@@ -220,21 +263,35 @@ class _ThreadedMover(Mover):
         nbytes = sum(tensor_nbytes(dst) for dst in dsts)
         count = len(keys)
 
-        def job(ticket: Ticket) -> None:
-            try:
-                results = store.get_many_into(keys, arrays)
-            except Exception as e:
-                if len(keys) == 1:  # the page is missing, never wrong
-                    ticket.error = e
-                    return
-                # One bad page (a checksum, an I/O error) raised for the whole batch:
-                # read each page alone, so only the bad one is reported missing.
-                results = _one_by_one(
-                    lambda i: store.get_many_into([keys[i]], [arrays[i]])[0], count
-                )
+        def landed(ticket: Ticket, results: list[int | None]) -> None:
             ticket.results = results
             ticket.moved_bytes = sum(size for size in results if size is not None)
 
+        def failed(ticket: Ticket, error: Exception) -> None:
+            if count == 1:  # the page is missing, never wrong
+                ticket.error = error
+                return
+            # One bad page (a checksum, an I/O error) raised for the whole batch:
+            # read each page alone, so only the bad one is reported missing.
+            landed(
+                ticket,
+                _one_by_one(lambda i: store.get_many_into([keys[i]], [arrays[i]])[0], count),
+            )
+
+        def job(ticket: Ticket) -> object:
+            if not pipelined:
+                try:
+                    results = store.get_many_into(keys, arrays)
+                except Exception as e:
+                    failed(ticket, e)
+                    return None
+                landed(ticket, results)
+                return None
+            return self._hand_on(
+                ticket, lambda: store.get_many_into_async(keys, arrays), landed, failed
+            )
+
+        pipelined = self._pipelines(store, "get_many_into_async")
         return self._submit(self._io_queue, Path.NVME_READ, nbytes, priority, tag, job, count)
 
     def nvme_write(
@@ -257,42 +314,148 @@ class _ThreadedMover(Mover):
         page_sizes = [int(array.nbytes) for _, array, _ in prepared]
         nbytes = sum(page_sizes)
 
-        def job(ticket: Ticket) -> None:
-            try:
-                stored = store.put_many(prepared)
-            except Exception as e:
-                if len(prepared) == 1:
-                    ticket.error = e
-                    return
-                # The store refused the batch for one page (its key, its size, an I/O
-                # error): write each page alone, so the others are not lost with it.
-                stored = [
-                    bool(ok)
-                    for ok in _one_by_one(lambda i: store.put_many([prepared[i]])[0], len(prepared))
-                ]
+        def landed(ticket: Ticket, stored: list[bool]) -> None:
             results: list[int | None] = [
                 size if ok else None for size, ok in zip(page_sizes, stored, strict=True)
             ]
             ticket.results = results
             ticket.moved_bytes = sum(size for size in results if size is not None)
 
+        def failed(ticket: Ticket, error: Exception) -> None:
+            if len(prepared) == 1:
+                ticket.error = error
+                return
+            # The store refused the batch for one page (its key, its size, an I/O
+            # error): write each page alone, so the others are not lost with it.
+            landed(
+                ticket,
+                [
+                    bool(ok)
+                    for ok in _one_by_one(lambda i: store.put_many([prepared[i]])[0], len(prepared))
+                ],
+            )
+
+        def job(ticket: Ticket) -> object:
+            if not pipelined:
+                try:
+                    stored = store.put_many(prepared)
+                except Exception as e:
+                    failed(ticket, e)
+                    return None
+                landed(ticket, stored)
+                return None
+            # Durable as put_many's pages are (sync=False: readable when the future is
+            # done, durable at the store's next group commit), written from the slots.
+            return self._hand_on(ticket, lambda: store.put_many_async(prepared), landed, failed)
+
+        pipelined = self._pipelines(store, "put_many_async")
         return self._submit(
             self._io_queue, Path.NVME_WRITE, nbytes, priority, tag, job, len(prepared)
         )
+
+    # -- the store's pipeline ----------------------------------------------------
+
+    def _pipelines(self, store: KVStore, call: str) -> bool:
+        """Whether NVMe jobs on ``store`` go through its pipeline (``call``, a
+        ``KVStore``'s async call; a stand-in without it is called synchronously, one
+        job at a time, on the I/O thread); sets how many may be in flight."""
+        if not callable(getattr(store, call, None)):
+            return False
+        depth = self.nvme_depth
+        if depth is None:
+            depth = getattr(getattr(store, "config", None), "pipeline_depth", 1)
+        self._io_queue.limit = max(1, int(depth))
+        return True
+
+    def _hand_on(
+        self,
+        ticket: Ticket,
+        start: Callable[[], Future[Any]],
+        landed: Callable[[Ticket, Any], None],
+        failed: Callable[[Ticket, Exception], None],
+    ) -> object:
+        """Run on the I/O thread: start one batch on the store's pipeline and return
+        ``PENDING`` (the ticket completes when the batch lands), or, when the store
+        refuses it at once (a bad item, a closed store), ``failed`` here as a
+        synchronous call's failure would be, and None."""
+        queue = self._io_queue
+        queue.hold()
+        try:
+            future = start()
+        except Exception as e:
+            queue.release()
+            failed(ticket, e)
+            return None
+        future.add_done_callback(lambda done: self._batch_landed(ticket, done, landed, failed))
+        return PENDING
+
+    def _batch_landed(
+        self,
+        ticket: Ticket,
+        future: Future[Any],
+        landed: Callable[[Ticket, Any], None],
+        failed: Callable[[Ticket, Exception], None],
+    ) -> None:
+        """A pipelined batch is done (on the thread that finished it): its ticket
+        completes here, or a batch that raised goes back to the I/O thread for
+        ``failed`` (several pages: each again alone, synchronously, as today)."""
+        follow_up: tuple[Ticket, _Job] | None = None
+        try:
+            try:
+                result = future.result()
+            except Exception as e:
+                error = e
+            else:
+                landed(ticket, result)
+                self._finish(ticket)
+                return
+            if ticket.results is not None and len(ticket.results) > 1:
+
+                def retry(t: Ticket) -> None:
+                    failed(t, error)
+
+                follow_up = (ticket, retry)
+                return
+            failed(ticket, error)
+            self._finish(ticket)
+        except BaseException as e:  # never into the store's thread; the ticket completes
+            ticket.error = e if isinstance(e, Exception) else RuntimeError(repr(e))
+            ticket.moved_bytes = 0
+            ticket.results = [None] * len(ticket.results or ())
+            self._finish(ticket)
+        finally:
+            self._io_queue.release(follow_up)
 
     # -- completion -----------------------------------------------------------
 
     def _run_job(self, ticket: Ticket, job: _Job) -> None:
         """Run one job on a worker thread; whatever it raises ends up in the ticket."""
         ticket._state = RUNNING
-        ticket.started_s = time.monotonic()
+        if ticket.started_s is None:  # a pipelined batch's retry keeps the batch's start
+            ticket.started_s = time.monotonic()
         try:
-            job(ticket)
+            if job(ticket) is PENDING:
+                return  # completes when the store's pipeline has done it
         except Exception as e:
             ticket.error = e
             ticket.moved_bytes = 0
-        ticket.finished_s = time.monotonic()
+        self._finish(ticket)
+
+    def _finish(self, ticket: Ticket) -> None:
+        """The job of ``ticket`` is over: time it, complete it (exactly once).
+
+        An NVMe ticket's ``seconds()`` is its share of the disk's busy time: from its
+        start, or from the last NVMe landing if that came later (batches in flight
+        together share the disk; each counting its whole wall time would make the
+        bandwidth fit read the disk as that many times slower). A batch that ran
+        alone, as every one did before batches overlapped, keeps its wall time.
+        """
+        finished = ticket.finished_s = time.monotonic()
         with self._lock:
+            if ticket.path in _NVME_PATHS and ticket.started_s is not None:
+                began = max(ticket.started_s, self._nvme_landed_s)
+                self._nvme_landed_s = max(self._nvme_landed_s, finished)
+                ticket._elapsed_s = max(0.0, finished - began)
             self._complete_locked(ticket)
 
     def _complete_locked(self, ticket: Ticket) -> None:
@@ -400,7 +563,9 @@ class CUDAMover(_ThreadedMover):
     ``seconds()`` is the device time between the job's start and end events.
     """
 
-    def __init__(self, device: str | torch.device = "cuda") -> None:
+    def __init__(
+        self, device: str | torch.device = "cuda", *, nvme_depth: int | None = None
+    ) -> None:
         require_torch()
         import torch
 
@@ -428,7 +593,7 @@ class CUDAMover(_ThreadedMover):
             id(self._expedited_stream): deque(),
         }
         self._event_pool: list[Any] = []
-        super().__init__()
+        super().__init__(nvme_depth=nvme_depth)
 
     def _stream_for(self, path: Path, priority: Priority) -> Any:
         if path is Path.H2D:
@@ -568,9 +733,10 @@ class CUDAMover(_ThreadedMover):
             self._settle_lanes_locked()
 
 
-def make_mover(kind: str, device: str | torch.device) -> Mover:
+def make_mover(kind: str, device: str | torch.device, *, nvme_depth: int | None = None) -> Mover:
     """The mover for ``kind``: "cpu", "cuda", or "auto" (CUDA when ``device`` is a CUDA
-    device and CUDA is available, else CPU). The fake mover needs a clock: build
+    device and CUDA is available, else CPU); ``nvme_depth``: NVMe batches in flight
+    (None: the store's ``pipeline_depth``). The fake mover needs a clock: build
     ``FakeMover`` directly."""
     require_torch()  # one line naming what to install, before any tensor
     import torch
@@ -579,7 +745,7 @@ def make_mover(kind: str, device: str | torch.device) -> Mover:
         is_cuda = str(device).startswith("cuda")
         kind = "cuda" if is_cuda and torch.cuda.is_available() else "cpu"
     if kind == "cpu":
-        return CPUMover()
+        return CPUMover(nvme_depth=nvme_depth)
     if kind == "cuda":
-        return CUDAMover(device)
+        return CUDAMover(device, nvme_depth=nvme_depth)
     raise ValueError(f"mover kind must be 'auto', 'cpu' or 'cuda', got {kind!r}")

@@ -255,7 +255,8 @@ class Mover(abc.ABC):
         tag: object = None,
         sizes: Sequence[int | None] | None = None,
     ) -> Ticket:
-        """Read ``keys[i]`` into the CPU byte view ``dsts[i]`` (``store.get_many_into``).
+        """Read ``keys[i]`` into the CPU byte view ``dsts[i]`` (``store.get_many_into``;
+        a real mover starts it with ``get_many_into_async`` where the store has it).
 
         ``results[i]``: the bytes read, None for a miss. A failed read sets
         ``error`` and leaves every result None. ``store=None``, ``dsts=None`` and
@@ -272,7 +273,8 @@ class Mover(abc.ABC):
         tag: object = None,
         sizes: Sequence[int | None] | None = None,
     ) -> Ticket:
-        """Store ``(key, CPU byte view, meta)`` items (``store.put_many``).
+        """Store ``(key, CPU byte view, meta)`` items (``store.put_many``; a real
+        mover starts it with ``put_many_async`` where the store has it).
 
         ``results[i]``: the bytes stored, None when not stored (declined or
         failed). After an I/O error some pages of the batch may be in the store

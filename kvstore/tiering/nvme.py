@@ -114,7 +114,8 @@ class StoreTier(NvmeTier):
 
     def read(self, recs: Sequence[PageRec], dram: SlotPool, priority: Priority) -> None:
         # Reads of a few pages each: the first pages' copies out of DRAM run while
-        # the later pages are still being read (one read would serialise them).
+        # the later pages are still being read (one read would serialise them), and
+        # the mover keeps several of them in flight on the store's pipeline.
         keys = [r.key for r in recs]
         views = [dram.view(r.dram_slot, r.nbytes) for r in recs]
         step = READ_CHUNK_PAGES

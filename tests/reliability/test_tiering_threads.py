@@ -11,7 +11,8 @@ back all the time. The store opened by the manager fails on its own I/O thread:
   after scribbling over its buffer (a read that died mid-DMA);
 - every read first scribbles over its buffers, so a slot served while its NVMe
   read is still in flight (rule R4, docs/tiering.md) would show garbage;
-- ``put_many`` raises ``IOFailure``, sometimes after storing part of the batch.
+- ``put_many`` raises ``IOFailure``, sometimes after storing part of the batch;
+  so does a batch of ``put_many_async`` (the mover's write-back), in flight.
 
 A page's bytes are a function of its key (keys are content hashes in an
 engine), so any byte a load returns can be checked on the spot. Asserted: every
@@ -31,6 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,7 @@ class FaultyStore:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(self.store, "get_many_into", self.get_many_into)
         monkeypatch.setattr(self.store, "put_many", self.put_many)
+        monkeypatch.setattr(self.store, "put_many_async", self.put_many_async)
 
     def roll(self) -> float:
         with self.lock:
@@ -125,6 +128,11 @@ class FaultyStore:
             self.count("write_partial")
             raise IOFailure("injected write failure after a partial batch", 28)
         return self.real_put(items, **options)
+
+    def put_many_async(self, items: list[Any], **options: Any) -> Future[list[bool]]:
+        # The mover's write-back: the same faults, raised by the batch in flight on
+        # the store's pipeline (its future's exception), not at submission.
+        return self.store._pipeline().submit(self.put_many, list(items), **options)
 
 
 def config(tmp_path: Path) -> TierConfig:

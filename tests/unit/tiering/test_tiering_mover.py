@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -641,3 +642,271 @@ def test_wait_completed_since_a_count_sees_completions_polled_elsewhere(
     assert time.monotonic() - started < WAIT_S / 2
     assert mover.wait_completed(0.02) is False  # nothing left to poll
     assert mover.wait_completed(0.02, since=before + 1) is False
+
+
+# -- CPUMover: NVMe on the store's pipeline (issue 30) ------------------------------------
+
+
+class Spy:
+    """Which of the store's calls ran, on which thread, and whether each page went
+    straight from / into the caller's memory (the store's own zero-copy checks)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvstore.log import segment_reader
+        from kvstore.runtime import writer
+
+        self.calls: list[tuple[str, str]] = []  # (call, thread name)
+        self.addresses: list[int] = []  # of every value / buffer the mover passed
+        self.put_in_place: list[bool] = []
+        self.read_direct: list[bool] = []
+        in_place, direct_target = writer.in_place, segment_reader.direct_target
+
+        def spy_in_place(view: memoryview) -> bool:
+            self.put_in_place.append(in_place(view))
+            return self.put_in_place[-1]
+
+        def spy_direct(entry: Any, target: memoryview) -> memoryview | None:
+            direct = direct_target(entry, target)
+            self.read_direct.append(direct is not None)
+            return direct
+
+        monkeypatch.setattr(writer, "in_place", spy_in_place)
+        monkeypatch.setattr(segment_reader, "direct_target", spy_direct)
+        for name in ("put_many", "put_many_async", "get_many_into", "get_many_into_async"):
+            monkeypatch.setattr(KVStore, name, self._wrap(name, getattr(KVStore, name)))
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def called(store: KVStore, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.current_thread().name))
+            if name.endswith("_async"):
+                values = [item[1] for item in args[0]] if name.startswith("put") else list(args[1])
+                self.addresses.extend(np.asarray(v).__array_interface__["data"][0] for v in values)
+            return method(store, *args, **kwargs)
+
+        return called
+
+
+def test_nvme_batches_go_through_the_pipeline_straight_from_and_into_the_slots(
+    monkeypatch: pytest.MonkeyPatch, mover: CPUMover, open_store: OpenStore
+) -> None:
+    store = open_store()
+    page_bytes = 64 << 10
+    arena = Arena(8 * page_bytes, page_bytes, "cpu")
+    pages = [random_bytes(page_bytes, 70 + i) for i in range(4)]
+    for slot, page in enumerate(pages):
+        arena.view(slot).copy_(page)
+    slot_addresses = [arena.view(slot).data_ptr() for slot in range(8)]
+    spy = Spy(monkeypatch)
+    items = [(b"p%d" % slot, arena.view(slot), None) for slot in range(4)]
+    write = mover.nvme_write(store, items, priority=Priority.WRITEBACK)
+    assert write.wait(WAIT_S) and write.error is None
+    assert write.results == [page_bytes] * 4
+    keys = [b"p%d" % i for i in range(4)]
+    read = mover.nvme_read(
+        store, keys, [arena.view(4 + i) for i in range(4)], priority=Priority.DEMAND
+    )
+    assert read.wait(WAIT_S) and read.error is None
+    assert read.results == [page_bytes] * 4
+    for i, page in enumerate(pages):
+        assert torch.equal(arena.view(4 + i), page)
+    # The async calls only, each made on the mover's I/O thread (never the caller's;
+    # their synchronous halves then run on the store's pipeline threads).
+    mover_calls = [c for c in spy.calls if c[1] == "kvstore-tier-io"]
+    assert [c[0] for c in mover_calls] == ["put_many_async", "get_many_into_async"]
+    assert not [c for c in spy.calls if c[1] == threading.current_thread().name]
+    # The arena's own memory went to the store: slots 0-3 written, 4-7 read into...
+    assert spy.addresses == slot_addresses
+    # ... with no copy on either side: every page written from, and read into, the slot.
+    assert spy.put_in_place == [True] * 4
+    assert spy.read_direct == [True] * 4
+
+
+class FutureStore:
+    """A stand-in store whose pipelined calls return futures the test settles; its
+    synchronous calls (the per-page retries of a failed batch) answer at once."""
+
+    def __init__(self, depth: int) -> None:
+        self.config = type("Config", (), {"pipeline_depth": depth})()
+        self.futures: list[tuple[str, Future[Any]]] = []
+        self.started = threading.Semaphore(0)
+        self.retried: list[bytes] = []
+        self.bad: set[bytes] = set()
+
+    def _start(self, name: str) -> Future[Any]:
+        future: Future[Any] = Future()
+        self.futures.append((name, future))
+        self.started.release()
+        return future
+
+    def put_many_async(self, items: list[tuple[bytes, Any, Any]]) -> Future[Any]:
+        return self._start(items[0][0].decode())
+
+    def get_many_into_async(self, keys: list[bytes], buffers: list[Any]) -> Future[Any]:
+        return self._start(keys[0].decode())
+
+    def put_many(self, items: list[tuple[bytes, Any, Any]]) -> list[bool]:
+        self.retried.append(items[0][0])
+        if items[0][0] in self.bad:
+            raise OSError(5, "Input/output error")
+        return [True]
+
+    def get_many_into(self, keys: list[bytes], buffers: list[Any]) -> list[int | None]:
+        self.retried.append(keys[0])
+        if keys[0] in self.bad:
+            raise OSError(5, "Input/output error")
+        return [int(np.asarray(buffers[0]).nbytes)]
+
+
+def wait_started(store: FutureStore, count: int) -> None:
+    for _ in range(count):
+        assert store.started.acquire(timeout=WAIT_S)
+
+
+def test_up_to_depth_batches_in_flight_and_the_queue_keeps_priority() -> None:
+    mover = CPUMover(nvme_depth=2)
+    store: Any = FutureStore(depth=8)  # nvme_depth overrides the store's pipeline_depth
+    view = torch.zeros(64, dtype=torch.uint8)
+    try:
+        first = mover.nvme_write(store, [(b"w1", view, None)], priority=Priority.WRITEBACK)
+        second = mover.nvme_write(store, [(b"w2", view, None)], priority=Priority.WRITEBACK)
+        wait_started(store, 2)
+        third = mover.nvme_write(store, [(b"w3", view, None)], priority=Priority.WRITEBACK)
+        demand = mover.nvme_read(store, [b"r"], [view], priority=Priority.DEMAND)
+        time.sleep(0.05)
+        assert [name for name, _ in store.futures] == ["w1", "w2"]  # two in flight, no more
+        assert not first.done() and not second.done()
+        store.futures[1][1].set_result([True])  # the second lands first: its ticket now
+        assert second.wait(WAIT_S) and second.results == [64]
+        assert not first.done()
+        wait_started(store, 1)
+        assert store.futures[2][0] == "r"  # DEMAND, queued after w3, went first
+        store.futures[0][1].set_result([True])
+        wait_started(store, 1)
+        assert store.futures[3][0] == "w3"
+        store.futures[2][1].set_result([64])
+        store.futures[3][1].set_result([True])
+        for ticket in (first, third, demand):
+            assert ticket.wait(WAIT_S) and ticket.error is None and ticket.results == [64]
+    finally:
+        for _, future in store.futures:
+            if not future.done():
+                future.set_result([True])
+        mover.close()
+    assert mover.in_flight_bytes() == 0
+    assert store.retried == []
+
+
+@pytest.mark.parametrize("path", ["write", "read"])
+def test_a_failed_batch_in_flight_is_handled_as_a_synchronous_failure(path: str) -> None:
+    # Several pages: each again alone (synchronously, on the I/O thread), only the bad
+    # one missing; one page: the error in the ticket. As the synchronous path does.
+    mover = CPUMover()
+    store: Any = FutureStore(depth=2)
+    store.bad = {b"b"}
+    views = [torch.zeros(100 + i, dtype=torch.uint8) for i in range(3)]
+    keys = [b"a", b"b", b"c"]
+
+    def submit(ks: list[bytes]) -> Ticket:
+        if path == "write":
+            items = [(k, v, None) for k, v in zip(ks, views, strict=False)]
+            return mover.nvme_write(store, items, priority=Priority.WRITEBACK)
+        return mover.nvme_read(store, ks, views[: len(ks)], priority=Priority.DEMAND)
+
+    try:
+        several = submit(keys)
+        wait_started(store, 1)
+        store.futures[0][1].set_exception(OSError(5, "Input/output error"))
+        assert several.wait(WAIT_S)
+        assert several.error is None
+        assert several.results == [100, None, 102]
+        assert several.moved_bytes == 202
+        assert store.retried == keys
+        alone = submit([b"a"])
+        wait_started(store, 1)
+        eio = OSError(5, "Input/output error")
+        store.futures[1][1].set_exception(eio)
+        assert alone.wait(WAIT_S)
+        assert alone.error is eio and alone.results == [None] and alone.moved_bytes == 0
+        assert store.retried == keys  # one page: no retry
+        assert mover.poll() == [several, alone]
+    finally:
+        mover.close()
+    assert mover.in_flight_bytes() == 0
+
+
+class Synchronous:
+    """The store without its pipelined calls: the mover calls it as it always did."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+
+    def put_many(self, items: Any) -> list[bool]:
+        return self._store.put_many(items)
+
+    def get_many_into(self, keys: Any, buffers: Any) -> list[int | None]:
+        return self._store.get_many_into(keys, buffers)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_closed_store_fails_the_same_either_way(
+    pipelined: bool, mover: CPUMover, open_store: OpenStore
+) -> None:
+    store = open_store()
+    arena = Arena(4 * 8192, 8192, "cpu")
+    store.put_many([(b"a", b"x" * 8192)])
+    store.close()
+    target: Any = store if pipelined else Synchronous(store)
+    items = [(b"k%d" % i, arena.view(i), None) for i in range(2)]
+    several = mover.nvme_write(target, items, priority=Priority.WRITEBACK)
+    one = mover.nvme_write(target, items[:1], priority=Priority.WRITEBACK)
+    read = mover.nvme_read(
+        target, [b"a", b"b"], [arena.view(2), arena.view(3)], priority=Priority.DEMAND
+    )
+    read_one = mover.nvme_read(target, [b"a"], [arena.view(2)], priority=Priority.DEMAND)
+    for ticket in (several, one, read, read_one):
+        assert ticket.wait(WAIT_S)
+    assert several.error is None and several.results == [None, None]
+    assert read.error is None and read.results == [None, None]
+    assert isinstance(one.error, ClosedError) and one.results == [None]
+    assert isinstance(read_one.error, ClosedError) and read_one.results == [None]
+    assert mover.in_flight_bytes() == 0
+
+
+def test_close_waits_for_batches_in_flight() -> None:
+    mover = CPUMover()
+    store: Any = FutureStore(depth=2)
+    view = torch.zeros(64, dtype=torch.uint8)
+    ticket = mover.nvme_write(store, [(b"w", view, None)], priority=Priority.WRITEBACK)
+    wait_started(store, 1)
+    threading.Timer(0.05, lambda: store.futures[0][1].set_result([True])).start()
+    mover.close(cancel=True)  # a batch the store has is never cancelled: it lands first
+    assert ticket.done() and ticket.error is None and ticket.results == [64]
+    assert not mover._io_queue._thread.is_alive()
+    assert mover.poll() == [ticket]
+
+
+def test_batches_in_flight_together_share_the_disk_time() -> None:
+    # Two batches started together, landing 0.1 s apart: the second counts only the
+    # time after the first landed (the disk was the first's until then), so the
+    # bandwidth fit sees the disk's rate, not half of it.
+    mover = CPUMover()
+    store: Any = FutureStore(depth=2)
+    view = torch.zeros(64, dtype=torch.uint8)
+    try:
+        first = mover.nvme_write(store, [(b"w1", view, None)], priority=Priority.WRITEBACK)
+        second = mover.nvme_write(store, [(b"w2", view, None)], priority=Priority.WRITEBACK)
+        wait_started(store, 2)
+        time.sleep(0.1)
+        store.futures[0][1].set_result([True])
+        assert first.wait(WAIT_S)
+        time.sleep(0.1)
+        store.futures[1][1].set_result([True])
+        assert second.wait(WAIT_S)
+    finally:
+        mover.close()
+    first_s, second_s = first.seconds(), second.seconds()
+    assert first_s is not None and second_s is not None
+    assert first_s >= 0.09
+    assert second.finished_s is not None and second.started_s is not None
+    assert second.finished_s - second.started_s >= 0.19  # its wall time
+    assert 0.09 <= second_s < 0.19  # its share
