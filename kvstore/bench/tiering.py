@@ -4,7 +4,7 @@
     .venv/bin/python tools/bench_tiering.py --only bookkeeping plan --reps 15 --profile 14
     .venv/bin/python tools/bench_tiering.py --report run.json
 
-Four parts (``--only`` picks some), judged against the targets in ``TARGETS``:
+Five parts (``--only`` picks some), judged against the targets in ``TARGETS``:
 
   bookkeeping  ``lookup`` of a 128-page prefix resident in DRAM and ``offer`` of a fresh
                128-page chain, on the fake mover (no bytes move: what is left is the
@@ -27,6 +27,12 @@ Four parts (``--only`` picks some), judged against the targets in ``TARGETS``:
                the guest's page cache is not in the way; the host's may be), medians
                compared. The manager's time is split into its NVMe read, the wait for
                the harvest, and its copies out of DRAM.
+  writeback    write-through of fresh pages, offered ``--offer-pages`` at a time, from
+               the first ``offer`` until ``drain`` has every page on NVMe (the copies
+               into DRAM and the mover's write-back from the DRAM slots), each round on
+               a fresh store, against ``KVStore.put_many`` of the same pages in the
+               same batches from 4 KiB-aligned memory, one batch after the other (what
+               the mover did before it kept several batches in flight); turns, medians.
   plan         the load-vs-recompute decision on a generated trace, replayed through a
                real ``TierManager`` on the fake mover (as ``kvstore sim`` does), once on
                a disk slower than recomputing (κ_nvme < 1) and once on a faster one. Per
@@ -71,7 +77,7 @@ from kvstore.tiering.sim import Machine, kvstore_config
 from kvstore.tiering.sim import run as sim_run
 from kvstore.tiering.sim import trace as tier_trace
 
-PARTS = ("bookkeeping", "dram", "nvme", "plan")
+PARTS = ("bookkeeping", "dram", "nvme", "writeback", "plan")
 PREFIX_PAGES = 128
 FILL_CHAINS = 16  # fills a DRAM of 8 chains: every later offer evicts
 # A model whose page of 8 tokens is 1 MiB (128 KiB of K and V per token, as Llama-3.1-8B).
@@ -560,6 +566,67 @@ def bench_nvme(directory: Path, pages: int, page_bytes: int, reps: int) -> dict[
         "direct_io": direct_io,
         "fresh_open": {k: fresh[k] for k in ("manager_mbps", "ratio", "manager_split_median_ms")},
         "fresh_s": runs["fresh"],
+    }
+
+
+def bench_writeback(
+    directory: Path, pages: int, page_bytes: int, reps: int, per_offer: int
+) -> dict[str, Any]:
+    """Each round, on a fresh store: the manager's write-through of ``pages`` offered
+    ``per_offer`` at a time, and ``put_many`` of the same batches, in turns."""
+    keys = chain("wb", pages)
+    sources = random_pages(pages, page_bytes, seed=41)
+    aligned = Arena(pages * page_bytes, page_bytes, "cpu", name="sources")
+    for index, source in enumerate(sources):
+        aligned.view(index, page_bytes).copy_(source)
+    batches = [range(i, min(i + per_offer, pages)) for i in range(0, pages, per_offer)]
+    path = directory / "writeback"
+    runs: dict[str, list[float]] = {"manager": [], "reference": []}
+    for rep in range(reps + 1):  # round 0 warms up
+        names = ("manager", "reference")
+        for name in names[rep % 2 :] + names[: rep % 2]:
+            shutil.rmtree(path, ignore_errors=True)
+            config = nvme_config(path, pages, page_bytes, placement="write_through")
+            if name == "manager":
+                with TierManager.open(config) as tm:
+                    start = time.perf_counter()
+                    for batch in batches:
+                        parent = keys[batch[0] - 1] if batch[0] else None
+                        tm.offer(
+                            [keys[i] for i in batch],
+                            [sources[i] for i in batch],
+                            meta={"parent": parent} if parent is not None else None,
+                        )
+                    if not tm.drain(120):
+                        raise RuntimeError("writeback: the write-through did not finish")
+                    seconds = time.perf_counter() - start
+                    if tm.stats().pages_by_tier[2] != pages:
+                        raise RuntimeError(f"writeback: {tm.stats().pages_by_tier} by tier")
+            else:
+                from kvstore.store import KVStore
+
+                options: dict[str, Any] = {"create": True, "max_page_bytes": page_bytes}
+                options.update(config.nvme_options)
+                with KVStore.open(path, **options) as store:
+                    start = time.perf_counter()
+                    for batch in batches:
+                        items = [(keys[i], aligned.view(i, page_bytes).numpy()) for i in batch]
+                        if store.put_many(items) != [True] * len(items):
+                            raise RuntimeError("writeback: put_many declined pages")
+                    seconds = time.perf_counter() - start
+            if rep:
+                runs[name].append(seconds)
+    shutil.rmtree(path, ignore_errors=True)
+    nbytes = pages * page_bytes
+    return {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "per_offer": per_offer,
+        "manager_mbps": mb_per_s(nbytes, runs["manager"]),
+        "reference_mbps": mb_per_s(nbytes, runs["reference"]),
+        "ratio": statistics.median(runs["reference"]) / statistics.median(runs["manager"]),
+        "manager_s": runs["manager"],
+        "reference_s": runs["reference"],
     }
 
 

@@ -28,6 +28,7 @@ from kvstore.bench.tiering import (
     bench_offer_cpu,
     bench_offer_fake,
     bench_plan,
+    bench_writeback,
     profile_bookkeeping,
 )
 from kvstore.clikit import progress_line
@@ -132,6 +133,14 @@ def print_report(document: dict[str, Any]) -> None:
             f" until release {cpu['until_release_us_median']:.2f} - torch copy "
             f"{cpu['torch_copy_us_median']:.2f} = {cpu['until_release_minus_copy_us_median']:.2f}"
         )
+    writeback = results.get("writeback")
+    if writeback:
+        print(
+            f"writeback: {writeback['pages']} x {writeback['page_bytes'] // KIB} KiB, "
+            f"{writeback['per_offer']} per offer: manager {writeback['manager_mbps']:,.0f} MB/s"
+            f", put_many batch by batch {writeback['reference_mbps']:,.0f} MB/s, "
+            f"ratio {writeback['ratio']:.3f}"
+        )
     for name in ("dram", "nvme"):
         part = results.get(name)
         if not part:
@@ -200,6 +209,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--pages", type=int, default=64, help="pages per load")
     parser.add_argument("--page-kib", type=int, default=1024, help="page size of the loads")
     parser.add_argument("--offer-page-kib", type=int, default=64, help="CPU-mover offer pages")
+    parser.add_argument("--offer-pages", type=int, default=8, help="pages per offer (writeback)")
     parser.add_argument("--requests", type=int, default=1500, help="trace length (plan)")
     parser.add_argument(
         "--capacity",
@@ -247,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "nvme" in args.only:
         progress_line("nvme -> destination")
         results["nvme"] = bench_nvme(args.dir, args.pages, page_bytes, args.reps)
+    if "writeback" in args.only:
+        progress_line("writeback: dram -> nvme")
+        results["writeback"] = bench_writeback(
+            args.dir, args.pages, page_bytes, args.reps, args.offer_pages
+        )
     if "plan" in args.only:
         progress_line("plan: replaying the trace")
         results["plan"] = bench_plan(args.requests, tuple(args.capacity))

@@ -22,7 +22,14 @@ def test_every_part_runs_and_is_judged(tmp_path: Path, capsys: pytest.CaptureFix
     argv += ["--page-kib", "64", "--offer-page-kib", "16", "--requests", "80"]
     assert tiering_cli.main([*argv, "--profile", "2", "--out", str(out)]) == 0
     document = json.loads(out.read_text())
-    assert set(document["results"]) == {"bookkeeping", "dram", "nvme", "plan", "profiles"}
+    assert set(document["results"]) == {
+        "bookkeeping",
+        "dram",
+        "nvme",
+        "writeback",
+        "plan",
+        "profiles",
+    }
     assert [row["target"] for row in document["verdicts"]] == [
         target.text for target in tiering_cli.TARGETS
     ]
