@@ -28,7 +28,7 @@ from kvstore.errors import (
     NotRegularFileError,
     StoreNotFoundError,
 )
-from kvstore.format.constants import BLOCK_BYTES
+from kvstore.format.constants import BLOCK_BYTES, SEQUENCE_LIMIT
 from kvstore.format.entries import SEGMENT_ACTIVE, SEGMENT_SEALED, PageEntry
 from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
 from kvstore.format.records import Superblock, decode_superblock, encode_superblock
@@ -338,6 +338,14 @@ def _repair_files(store: KVStore, recovered: Recovered) -> None:
             # Created, but its SEGMENT_OPEN never became durable: nothing points in.
             path.unlink()
             recovered.notes.append(f"removed orphan segment file {path.name}")
+    # A segment id is never reused while anything of that name is in segments/ (a
+    # directory left alone above, a quarantined segment's file, whatever its header
+    # says): the writer creates its next segment past every one (O_EXCL would fail).
+    # A name at or past SEQUENCE_LIMIT is one no writer reaches.
+    left = [
+        segment_id for segment_id in list_segment_files(root) if segment_id + 1 < SEQUENCE_LIMIT
+    ]
+    recovered.next_segment_id = max([recovered.next_segment_id, *(i + 1 for i in left)])
     for entry in os.scandir(root / SEGMENTS_DIR):
         if entry.name.endswith(".tmp") or entry.name.startswith("."):
             if entry.is_dir(follow_symlinks=False):
@@ -722,6 +730,9 @@ def internals_of(store: KVStore) -> StoreInternals:
     """``KVStore.internals``: the typed view fsck and the test harnesses use."""
 
     def abandon() -> None:
+        # The threads first: a prepare thread left running would make a spare segment
+        # after the next open's orphan sweep, under the id that open's writer creates.
+        store._stop_threads()
         store._release_resources()
         store._closed = True
 

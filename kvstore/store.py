@@ -192,6 +192,7 @@ class KVStore:
                 lifecycle.start_writing(self, recovered)
                 self._start_threads()
         except BaseException:
+            self._stop_threads()  # any that started
             self._release_resources()
             raise
 
@@ -240,16 +241,7 @@ class KVStore:
                 pipeline.shutdown(wait=True)  # the batches in flight finish first
             self._closed = True
             if not self.readonly and hasattr(self, "_stop"):
-                self._stop.set()
-                self._state.spare_wanted.set()
-                if self._prepare_thread is not None:
-                    self._prepare_thread.join()
-                if self._gc_thread is not None:
-                    self._gc_thread.join()
-                if self._flusher is not None:
-                    self._flusher.join()
-                if self._telemetry_thread is not None:
-                    self._telemetry_thread.join()
+                self._stop_threads()
                 if self._state.failed is None:
                     self._checkpointer.run()  # persists the telemetry too
                 else:
@@ -258,6 +250,22 @@ class KVStore:
         finally:
             self._closed = True
             self._release_resources()
+
+    def _stop_threads(self) -> None:
+        """Stop the writer's background threads and wait for each (nothing is flushed
+        or checkpointed here; what one was doing, it finishes). Once this returns, no
+        thread of this store creates, writes or removes a file of the store: a spare
+        segment the prepare thread made after a crash-like ``abandon`` would otherwise
+        appear under an id the next open's writer creates too (EEXIST)."""
+        stop: threading.Event | None = getattr(self, "_stop", None)
+        if stop is None:
+            return
+        stop.set()
+        self._state.spare_wanted.set()
+        for name in ("_prepare_thread", "_gc_thread", "_flusher", "_telemetry_thread"):
+            thread: threading.Thread | None = getattr(self, name, None)
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
 
     def _release_resources(self) -> None:
         """Release everything, even when one step fails: above all the writer lock.

@@ -10,6 +10,7 @@ fsync + segments/ fsync) before any WAL record names it.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -227,6 +228,8 @@ def recycle_segment(
     )
     block = AlignedBuffer(BLOCK_BYTES)
     block.view[:] = header
+    if os.path.lexists(path):  # rename(2) would replace it: an id is never reused
+        raise IOFailure(f"cannot recycle segment {old.path} as {path}", errno.EEXIST)
     try:
         os.rename(old.path, path)
         old.path = path  # if the rest fails, the caller removes the file by its new name

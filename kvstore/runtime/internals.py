@@ -77,9 +77,10 @@ class StoreInternals:
         self._abandon = abandon
 
     def abandon(self) -> None:
-        """Leave the store as a crash would: release every file, lock and thread's
-        resources without a checkpoint or a commit (the WAL keeps what was committed).
-        The store counts as closed afterwards."""
+        """Leave the store as a crash would: stop its threads (each finishes what it
+        is doing; none is left to make a spare segment after the next open), then
+        release every file and lock without a checkpoint or a commit (the WAL keeps
+        what was committed). The store counts as closed afterwards."""
         self._abandon()
 
     @contextlib.contextmanager

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,13 @@ from kvstore import KVStore
 from kvstore.cli import main
 from kvstore.errors import CorruptionError
 from kvstore.format.constants import BLOCK_BYTES
-from kvstore.format.names import INDEX_DIR, SEGMENTS_DIR, SUPERBLOCK_NAME, WAL_DIR
+from kvstore.format.names import (
+    INDEX_DIR,
+    SEGMENTS_DIR,
+    SUPERBLOCK_NAME,
+    WAL_DIR,
+    segment_path,
+)
 from kvstore.format.wal import iter_records
 from kvstore.recover import recover_store
 from kvstore.testing import corruption as sweep
@@ -157,6 +164,51 @@ def test_a_flipped_segment_header_byte_opens_and_serves_every_page(
     assert "quarantined" in data["degraded_reasons"][0]
     shown = CliRunner().invoke(main, ["stat", str(store_path)])
     assert shown.exit_code == 0 and "DEGRADED" in shown.output
+
+
+def _kvstore_threads(other_than: set[threading.Thread]) -> list[str]:
+    return [
+        thread.name
+        for thread in threading.enumerate()
+        if thread not in other_than and thread.name.startswith("kvstore-") and thread.is_alive()
+    ]
+
+
+def test_an_abandoned_writer_leaves_no_thread_that_makes_a_segment(store_path: Path) -> None:
+    """CI once failed the test above ([byte4093], under load) with EEXIST for
+    0000000000000004.seg at the first roll. ``abandon()`` (build()'s crash) freed the
+    store's files but left its threads running: the prepare thread, its spare removed,
+    made another one (id 4) up to half a second later, after the next open's orphan
+    sweep had run and given its writer that very id. No thread of a crashed store may
+    outlive ``abandon()``."""
+    before = set(threading.enumerate())
+    oracle = build(store_path)
+    assert _kvstore_threads(before) == []  # was: kvstore-flush, -telemetry, -prepare
+    flip(segment_files(store_path)[1], BLOCK_BYTES - 3)  # the active segment: quarantined
+    with KVStore.open(store_path, **OPTIONS) as store:
+        store.put_many([(f"new{i}", b"n" * 30_000) for i in range(40)])  # rolls at once
+        assert oracle.check(store) == 0
+        assert store.stats().quarantined_segments == 1
+    assert _kvstore_threads(before) == []  # close() joins them too
+
+
+def test_an_open_gives_the_writer_no_segment_id_whose_name_is_taken(store_path: Path) -> None:
+    """The orphan sweep leaves a directory named like a segment alone; the writer's
+    next segment id must still be past it (and past every name in segments/), or
+    its O_EXCL create fails (EEXIST) and the writer stops."""
+    oracle = build(store_path)
+    flip(segment_files(store_path)[1], BLOCK_BYTES - 3)  # the first put rolls
+    top = max(int(path.name.split(".")[0], 16) for path in segment_files(store_path))
+    taken = [segment_path(store_path, top + n) for n in range(1, 9)]
+    for path in taken:
+        path.mkdir()
+    with KVStore.open(store_path, **OPTIONS) as store:
+        assert store.internals.state.next_segment_id > top + 8
+        store.put_many([(f"new{i}", b"n" * 30_000) for i in range(40)])
+        assert oracle.check(store) == 0
+    assert all(path.is_dir() for path in taken)
+    with KVStore.open(store_path, **OPTIONS) as store:
+        assert store.get("new39") == b"n" * 30_000
 
 
 def test_fsck_repair_rewrites_a_quarantined_segment_header(store_path: Path) -> None:

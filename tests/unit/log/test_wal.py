@@ -26,7 +26,12 @@ from kvstore.format.wal import (
     encode_put,
     iter_records,
 )
-from kvstore.log.segments import create_segment, list_segment_files, open_segment
+from kvstore.log.segments import (
+    create_segment,
+    list_segment_files,
+    open_segment,
+    recycle_segment,
+)
 from kvstore.log.wal import WalWriter, list_wal_files, read_wal_chain
 
 STORE_UUID = uuid.UUID(int=0xA11CE).bytes
@@ -379,3 +384,20 @@ def test_create_segment_never_overwrites(root: Path) -> None:
     with pytest.raises(IOFailure, match=r"0000000000000003\.seg"):
         create_segment(root, 3, 99, size_bytes=SEGMENT_BYTES, store_uuid=STORE_UUID, direct=False)
     assert segment_path(root, 3).read_bytes() == before
+
+
+def test_recycle_segment_never_replaces_a_file_of_the_new_id(root: Path) -> None:
+    """rename(2) replaces its target: recycling a freed segment under an id that
+    something in segments/ already has would destroy that file."""
+    old = create_segment(root, 3, 77, size_bytes=SEGMENT_BYTES, store_uuid=STORE_UUID, direct=False)
+    create_segment(
+        root, 4, 78, size_bytes=SEGMENT_BYTES, store_uuid=STORE_UUID, direct=False
+    ).close()
+    before = segment_path(root, 4).read_bytes()
+    try:
+        with pytest.raises(IOFailure, match=r"EEXIST"):
+            recycle_segment(root, old, 4, 99, store_uuid=STORE_UUID)
+        assert old.path == segment_path(root, 3) and old.path.exists()  # the caller unlinks it
+        assert segment_path(root, 4).read_bytes() == before
+    finally:
+        old.close()
