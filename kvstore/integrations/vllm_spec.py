@@ -17,6 +17,13 @@ plan for the whole prefix:
 - ``HIT``: the plan loads the chunk and it is in DRAM, pinned until the load ends;
 - ``HIT_PENDING``: the plan loads it but it is on NVMe: the read into DRAM has
   started, the request waits (``has_pending_work``) and vLLM asks again;
+- ``RETRY`` (vLLM 0.33; ``HIT_PENDING`` before it): not resident here, but the
+  remote tier (``tier_options["remote_backend"]``) is reading it from the cluster
+  (the lookup's ``remote_pending`` pages after its local run): whether it exists is
+  not known yet, so the request waits (``has_pending_work``) and vLLM asks again;
+  once the read lands the chunk is a DRAM page and answers ``HIT``. A request waits
+  so at most ``remote_wait_s``; after that, and for pages the cluster turned out
+  not to hold, ``MISS``;
 - ``MISS``: not resident, or past the plan's ``load_pages`` (recomputing it is
   faster: a slow disk, a short prompt). vLLM recomputes it.
 
@@ -48,7 +55,8 @@ Extra config keys (besides vLLM's own ``cpu_bytes_to_use``, ``block_size``):
 - ``store_options`` ({}): ``KVStore.open`` options (the manager's ``nvme_options``);
 - ``tier_options`` ({}): other ``TierConfig`` fields (``placement``,
   ``admission``, ``compute_flops``, ``bandwidth_bytes_per_s``, ...);
-- ``load_timeout_s`` (10.0): the longest ``prepare_load`` waits for its copies.
+- ``load_timeout_s`` (10.0): the longest ``prepare_load`` waits for its copies;
+- ``remote_wait_s`` (2.0): the longest a request waits for remote reads (``RETRY``).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -87,6 +96,10 @@ SUPPORTED_VLLM_SPEC = ("0.33",)
 _KEY_PREFIX = b"vllm-tier/"
 _GROUP_BYTES = 4  # an OffloadKey ends with its KV-cache group index, big-endian
 _STAGING_WAIT_S = 0.005  # the longest a step waits for a staging chunk to come free
+# vLLM 0.33's answer for "not known yet, ask again" (its own tiering manager gives it
+# while a secondary tier looks): RETRY; an older vLLM has only HIT_PENDING, which
+# defers the request the same way.
+_RETRY = getattr(LookupResult, "RETRY", LookupResult.HIT_PENDING)
 _log = logging.getLogger(__name__)
 
 
@@ -114,6 +127,7 @@ class _GroupPlan:
     step: int
     result: Any  # the tier manager's LookupResult for the run
     index: dict[OffloadKey, int]  # chunk key -> its place in the run
+    remote_end: int = 0  # places [hit_pages, remote_end) are being read from the cluster
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,6 +141,7 @@ class _RequestState:
     pinned: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
     loading: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
     storing: dict[OffloadKey, int] = dataclasses.field(default_factory=dict)  # key -> chunk
+    remote_since: float | None = None  # when it began waiting for remote reads
 
 
 class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
@@ -145,6 +160,7 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         prefix: bytes,
         tokens_per_chunk: int,
         load_timeout_s: float = 10.0,
+        remote_wait_s: float = 2.0,
     ) -> None:
         self.tm = tm
         self._staging = staging
@@ -157,6 +173,7 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._epoch = int(saved) if saved and saved.isdigit() else 0
         self._tokens_per_chunk = tokens_per_chunk
         self._load_timeout_s = load_timeout_s
+        self._remote_wait_s = remote_wait_s
         self._lock = threading.Lock()
         self._free: list[int] = list(range(staging.num_chunks - 1, -1, -1))
         self._releasing: list[tuple[ReleaseHandle, list[int]]] = []
@@ -269,6 +286,8 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         result = plan.result
         index = plan.index[key]
         if index >= result.plan.load_pages:
+            if result.hit_pages <= index < plan.remote_end:
+                return _RETRY  # on its way from the cluster: ask again
             return LookupResult.MISS
         if result.state is LookupState.PENDING:
             return LookupResult.HIT_PENDING
@@ -312,8 +331,18 @@ class KVStoreOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if state.plan_pins:
             self._held[ctx.req_id] = state
         plan = _GroupPlan(self._step, result, {k: i for i, k in enumerate(keys)})
+        if result.remote_pending and result.plan.load_pages >= result.hit_pages:
+            # The remote tier reads the pages after the local run (every local page is
+            # loaded, or the remote ones could not follow): wait for them, a while.
+            now = time.monotonic()
+            if state.remote_since is None:
+                state.remote_since = now
+            if now - state.remote_since < self._remote_wait_s:
+                plan.remote_end = result.hit_pages + result.remote_pending
+        else:
+            state.remote_since = None
         state.plans[group] = plan
-        if result.state is LookupState.PENDING:
+        if result.state is LookupState.PENDING or plan.remote_end:
             state.pending_groups.add(group)
         else:
             state.pending_groups.discard(group)
@@ -614,6 +643,7 @@ class KVStoreOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
                 prefix=_KEY_PREFIX + self.namespace.encode("ascii") + b"/",
                 tokens_per_chunk=self.tokens_per_chunk,
                 load_timeout_s=float(self.extra_config.get("load_timeout_s", 10.0)),
+                remote_wait_s=float(self.extra_config.get("remote_wait_s", 2.0)),
             )
         return self._kvstore_manager
 

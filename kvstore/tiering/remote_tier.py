@@ -68,6 +68,9 @@ _RETRY_S = 5.0  # a page whose read missed (bad, late, absent) is not asked agai
 # A lookup reads straight into evicted-for slots while at least this share of the
 # pages asked lately was in the cluster (else free slots only, or a size query first).
 _SPECULATE_AT = 0.5
+# Where the cluster's run ended, a lookup asks again no sooner (a peer may publish the
+# page meanwhile; an engine that waits for remote pages gets its answer, a miss).
+_ABSENT_RETRY_S = 1.0
 _PRESENT_WEIGHT = 0.25  # one ask's weight in that share
 _READY = PageState.READY
 
@@ -158,11 +161,15 @@ class RemoteTier:
 
     def _miss(self, reason: str, pages: int = 1, key: bytes | None = None) -> None:
         if key is not None:
-            if len(self._missed) > _PUBLISHED_KEYS:
-                self._missed.clear()
-            self._missed[key] = time.monotonic() + _RETRY_S
+            self._hold_off(key, _RETRY_S)
         self._bump("misses", pages)
         self._bump("miss:" + reason, pages)
+
+    def _hold_off(self, key: bytes, seconds: float) -> None:
+        """A lookup whose first remote page is ``key`` asks nothing for ``seconds``."""
+        if len(self._missed) > _PUBLISHED_KEYS:
+            self._missed.clear()
+        self._missed[key] = time.monotonic() + seconds
 
     def _degrade(self, reason: str) -> None:
         if self.degraded is None:
@@ -291,6 +298,8 @@ class RemoteTier:
         if job.error is None:
             found = next((i for i, size in enumerate(sizes) if size is None), len(sizes))
             self._saw(len(fetch.keys), found)
+            if found < len(fetch.keys):
+                self._hold_off(fetch.keys[found], _ABSENT_RETRY_S)
         for key, size in zip(fetch.keys, sizes, strict=False):
             if size is None:
                 break
@@ -413,6 +422,7 @@ class RemoteTier:
             end = next((i for i, (_, r) in enumerate(results) if r == "absent"), len(items))
             if fetch.absent_at is None and end < len(items):
                 fetch.absent_at = fetch.next * _READ_CHUNK + end
+                self._hold_off(items[end][0], _ABSENT_RETRY_S)
             self._saw(len(items), end)
             if fetch.absent_at == 0:
                 self._bump("lookups:absent")

@@ -7,6 +7,8 @@ real scheduler and worker drive the spec in test_vllm_spec_scheduler.py.
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from kvstore.integrations.vllm import KVStoreOffloadingManager  # noqa: E402
 from kvstore.integrations.vllm_spec import check_single_worker, version_warning  # noqa: E402
 from kvstore.tiering import ModelCost, TierConfig, TierManager  # noqa: E402
+from kvstore.tiering.remote import memory_cluster  # noqa: E402
 
 CHUNK = 64 << 10
 TOKENS = 32  # tokens per chunk
@@ -171,6 +174,113 @@ def test_a_fresh_manager_reads_nvme_pages_pending_then_hits(tmp_path: Path) -> N
         assert_loads(fresh, ctx, keys, written)
     finally:
         fresh.shutdown()
+
+
+def _remote_up(manager: KVStoreOffloadingManager) -> None:
+    deadline = time.monotonic() + 5
+    while manager.tm.stats().remote["state"] != "up":
+        assert time.monotonic() < deadline, manager.tm.stats().remote["degraded_reason"]
+        manager.tm.step()
+        time.sleep(0.01)
+
+
+def test_a_prefix_another_node_stored_is_retry_while_its_remote_read_runs_then_hit(
+    tmp_path: Path,
+) -> None:
+    # Two nodes (each its own store root) share pages through the remote tier (the
+    # in-process cluster). B's first lookup of A's prefix starts the remote reads:
+    # the answer must make vLLM ask again (RETRY), not MISS -- a MISS is final for
+    # the step, so the first request would recompute every chunk and a remote prefix
+    # would never hit on first sight.
+    remote = dict(
+        remote_backend="memory",
+        remote_options={"cluster": f"vllm-spec-{uuid.uuid4().hex}"},
+        remote_namespace="test-vllm-spec",
+        remote_deadline_s=1.0,
+        remote_health_s=0.05,
+        compute_flops=1e9,  # recomputing is slow: the plan loads
+    )
+    a = open_manager(tmp_path / "a", **remote)
+    b = open_manager(tmp_path / "b", **remote)
+    try:
+        _remote_up(a)
+        _remote_up(b)
+        keys = chunk_keys("shared")
+        written = store(a, keys)
+        deadline = time.monotonic() + 5
+        while a.tm.stats().remote["published"] < CHUNKS:
+            assert time.monotonic() < deadline, a.tm.stats().remote["counters"]
+            a.tm.step()
+            time.sleep(0.01)
+        ctx = request("reader", keys)
+        b.on_new_request(ctx)
+        assert [b.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * CHUNKS
+        assert b.has_pending_work()  # so the engine steps again and asks again
+        b.on_schedule_end()
+        assert b.tm.drain()
+        b.tm.step()
+        assert [b.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * CHUNKS
+        assert not b.has_pending_work()
+        assert_loads(b, ctx, keys, written)
+        b.on_request_finished(ctx)
+        b.on_schedule_end()
+        assert b.tm.stats().remote["hits"] == CHUNKS
+
+        # A prefix no node stored: asked once, then MISS -- the request is not held.
+        cold = chunk_keys("cold")
+        ctx = request("cold", cold)
+        b.on_new_request(ctx)
+        assert b.lookup(cold[0], ctx) is LookupResult.RETRY
+        b.on_schedule_end()
+        assert b.tm.drain()
+        b.tm.step()
+        assert [b.lookup(k, ctx) for k in cold] == [LookupResult.MISS] * CHUNKS
+        assert not b.has_pending_work()
+        b.on_request_finished(ctx)
+        b.on_schedule_end()
+        assert b.tm.stats().remote["misses"] == 0
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+def test_a_request_waits_for_remote_reads_at_most_remote_wait_s(tmp_path: Path) -> None:
+    # A hung cluster: the reads never land; past remote_wait_s the chunks are MISS
+    # and the request goes on (recomputes) rather than waiting for the deadline.
+    cluster = f"vllm-spec-{uuid.uuid4().hex}"
+    options = dict(
+        remote_backend="memory",
+        remote_options={"cluster": cluster},
+        remote_namespace="test-vllm-spec",
+        remote_deadline_s=30.0,
+        remote_health_s=0.05,
+        compute_flops=1e9,
+    )
+    manager = KVStoreOffloadingManager(
+        TierManager.open(tier_config(tmp_path, **options)),
+        TensorStaging(8, CHUNK),
+        prefix=b"test/",
+        tokens_per_chunk=TOKENS,
+        remote_wait_s=0.2,
+    )
+    c = memory_cluster(cluster)
+    try:
+        _remote_up(manager)
+        c.hang.set()
+        keys = chunk_keys("hung")
+        ctx = request("r", keys)
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys[0], ctx) is LookupResult.RETRY
+        manager.on_schedule_end()
+        time.sleep(0.3)
+        assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+        assert not manager.has_pending_work()
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end()
+    finally:
+        c.hang.clear()
+        c.release.set()
+        manager.shutdown()
 
 
 def test_a_slow_disk_answers_miss_where_recomputing_is_faster(tmp_path: Path) -> None:
