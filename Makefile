@@ -26,7 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # in a row, right after installing, leave a cache that stays valid.
 WARM_LIBURING = $(BIN)/python -c "import liburing" >/dev/null 2>&1; $(BIN)/python -c "import liburing" >/dev/null 2>&1 || true
 
-.PHONY: run test lint typecheck promtool unit crash unit-and-crash engines test-bindings integ bench bench-full torture clean
+.PHONY: run test lint typecheck promtool mooncake-libs unit crash unit-and-crash engines test-bindings integ bench bench-full torture clean
 
 # The io_uring binding (liburing 2024.5.3) is built from its sdist: it needs a C
 # compiler and the Python headers. tools/check_toolchain.sh says so, and how to get
@@ -81,8 +81,16 @@ promtool:
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q --no-install-recommends prometheus; }
 
+# Mooncake's client (the cluster extra) links libibverbs.so.1 (Debian's `libibverbs1`)
+# even over TCP: without it `import mooncake.store` fails and the remote tier's
+# Mooncake tests skip. Installed where missing, as promtool is.
+mooncake-libs:
+	@/sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || ! command -v apt-get >/dev/null || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends libibverbs1; }
+
 # Suites by marker (tests/conftest.py marks each by its folder).
-unit: $(BIN)/.dev-installed promtool
+unit: $(BIN)/.dev-installed promtool mooncake-libs
 	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m unit
 
 # Crash loops, power loss, EIO and the property machines, on io_uring where the probe
@@ -92,7 +100,7 @@ crash: $(BIN)/.dev-installed
 
 # Both in one session for `make test`: the workers share out the long crash loops
 # with the unit tests (two sessions take about a minute longer on 2 cores).
-unit-and-crash: $(BIN)/.dev-installed promtool
+unit-and-crash: $(BIN)/.dev-installed promtool mooncake-libs
 	$(BIN)/pytest -q -x --timeout=600 $(XDIST) -m "unit or crash"
 
 # The crash, power-loss, EIO and property suites once more on the fallback engine
@@ -117,7 +125,7 @@ test-bindings: $(BIN)/.dev-installed $(BINDING_2026)/.installed
 	PYTHONPATH=$(BINDING_2026) KVSTORE_URING_BINDING=liburing-2026 \
 		$(BIN)/pytest -q -x --timeout=600 -rs $(BINDING_SUITES)
 
-integ:
+integ: mooncake-libs
 	PYTHON=$(PYTHON) VENV_INTEG=$(VENV_INTEG) TORCH=$(TORCH) tools/setup_integ_env.sh
 	$(VENV_INTEG)/bin/pytest -q -x --timeout=600 $(XDIST) tests/integrations
 

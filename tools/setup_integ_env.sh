@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build (or reuse) the integration-test environment: kvstore + vLLM + LMCache +
-# SGLang + transformers, CPU only, kept apart from the core .venv. `make test` calls this
+# Build (or reuse) the integration-test environment: kvstore (with the cluster extra,
+# Mooncake Store's client) + vLLM + LMCache + SGLang + transformers, CPU only, kept
+# apart from the core .venv. `make test` calls this
 # and then runs `$VENV_INTEG/bin/pytest tests/integrations`.
 #
 #   tools/setup_integ_env.sh            # builds .venv-integ once; a no-op when up to date
@@ -37,7 +38,7 @@ PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile)
 "${PIP[@]}" --upgrade pip
 # shellcheck disable=SC2086  # TORCH may carry pip options (an index URL)
 "${PIP[@]}" $TORCH
-"${PIP[@]}" -e '.[dev]'
+"${PIP[@]}" -e '.[dev,cluster]'  # cluster: Mooncake's client, for the adapters' real-master tests
 "${PIP[@]}" -r requirements-integ.txt
 "${PIP[@]}" --no-deps -r requirements-integ-nodeps.txt
 # Fail here, with the import that is missing, rather than as skipped tests.

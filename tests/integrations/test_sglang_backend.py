@@ -556,28 +556,24 @@ def test_a_second_live_instance_is_refused_at_creation(tmp_path: Path) -> None:
         close(successor)
 
 
-def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_the_cluster_tier(
-    tmp_path: Path,
-) -> None:
-    """Two nodes, each its own store root, sharing the cluster tier (the in-process
-    cluster here; Mooncake's is tested in tests/unit/tiering/test_remote_mooncake.py):
-    node B's batch_exists asks the cluster, and once the pages landed they are hits."""
+def _node_a_stores_node_b_hits(tmp_path: Path, tier_options: dict[str, Any]) -> None:
+    """Node A stores a prefix through its backend; node B (its own store root)
+    finds it through the cluster tier: its batch_exists asks the cluster, and once
+    the pages landed they are hits with A's bytes."""
     import time
 
-    remote = {
-        "tier_options": {
-            "remote_backend": "memory",
-            "remote_options": {"cluster": f"sglang-{tmp_path.name}"},
-            "remote_health_s": 0.05,
-        }
-    }
+    remote = {"tier_options": {"remote_health_s": 0.05, **tier_options}}
     a = make_kvstore(tmp_path / "a", options=remote)
     b = make_kvstore(tmp_path / "b", options=remote)
     try:
+        deadline = time.monotonic() + 20
+        for node in (a, b):  # a Mooncake client joins the cluster in the background
+            while node._manager().stats().remote["state"] != "up":
+                assert time.monotonic() < deadline, node._manager().stats().remote
+                time.sleep(0.02)
         keys = [f"prefix{i}" for i in range(5)]
         values = [value(i) for i in range(5)]
         assert a.batch_set(keys, values)
-        deadline = time.monotonic() + 10
         while a._manager().stats().remote["published"] < 5:
             assert time.monotonic() < deadline, a._manager().stats().remote
             time.sleep(0.02)
@@ -585,10 +581,45 @@ def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_the_cluster_tier(
         while found < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
             found = b.batch_exists(keys)
-        assert found == 5
+        assert found == 5, b._manager().stats().remote
         got = b.batch_get(keys, [torch.empty_like(v) for v in values])
         assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
         assert b._manager().stats().remote["hits"] >= 5
     finally:
         close(a)
         close(b)
+
+
+def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_the_cluster_tier(
+    tmp_path: Path,
+) -> None:
+    """Two nodes, each its own store root, sharing the cluster tier (the in-process
+    cluster here; a real Mooncake master below)."""
+    memory = {"remote_backend": "memory", "remote_options": {"cluster": f"sglang-{tmp_path.name}"}}
+    _node_a_stores_node_b_hits(tmp_path, memory)
+
+
+def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_a_real_mooncake_master(
+    tmp_path: Path,
+) -> None:
+    """The same over loopback on a real Mooncake Store: a mooncake_master on free ports
+    (started and stopped here), each node's backend its own Mooncake client. Skips
+    where the cluster extra (``mooncake-transfer-engine-non-cuda``) is not installed."""
+    from kvstore.tiering.remote_mooncake import mooncake_available
+
+    reason = mooncake_available()
+    if reason is not None:
+        pytest.skip(reason)
+    from kvstore.testing.cluster import MooncakeMaster
+
+    master = MooncakeMaster(tmp_path / "master.log")
+    master.start()
+    try:
+        mooncake = {
+            "remote_backend": "mooncake",
+            "remote_options": {"master": master.address, "segment_bytes": 16 << 20},
+            "remote_deadline_s": 2.0,
+        }
+        _node_a_stores_node_b_hits(tmp_path, mooncake)
+    finally:
+        master.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,29 +178,52 @@ def test_a_fresh_manager_reads_nvme_pages_pending_then_hits(tmp_path: Path) -> N
 
 
 def _remote_up(manager: KVStoreOffloadingManager) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20  # a Mooncake client joins in the background
     while manager.tm.stats().remote["state"] != "up":
         assert time.monotonic() < deadline, manager.tm.stats().remote["degraded_reason"]
         manager.tm.step()
         time.sleep(0.01)
 
 
-def test_a_prefix_another_node_stored_is_retry_while_its_remote_read_runs_then_hit(
-    tmp_path: Path,
-) -> None:
-    # Two nodes (each its own store root) share pages through the remote tier (the
-    # in-process cluster). B's first lookup of A's prefix starts the remote reads:
-    # the answer must make vLLM ask again (RETRY), not MISS -- a MISS is final for
-    # the step, so the first request would recompute every chunk and a remote prefix
-    # would never hit on first sight.
-    remote = dict(
-        remote_backend="memory",
-        remote_options={"cluster": f"vllm-spec-{uuid.uuid4().hex}"},
+@pytest.fixture(params=["memory", "mooncake"])
+def cluster_options(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The remote tier of two nodes: the in-process cluster, or a real Mooncake master
+    on free loopback ports (started and stopped here; skips without the cluster extra)."""
+    common = dict(
         remote_namespace="test-vllm-spec",
-        remote_deadline_s=1.0,
+        remote_deadline_s=2.0,
         remote_health_s=0.05,
         compute_flops=1e9,  # recomputing is slow: the plan loads
     )
+    if request.param == "memory":
+        cluster = {"cluster": f"vllm-spec-{uuid.uuid4().hex}"}
+        yield dict(common, remote_backend="memory", remote_options=cluster)
+        return
+    from kvstore.tiering.remote_mooncake import mooncake_available
+
+    reason = mooncake_available()
+    if reason is not None:
+        pytest.skip(reason)
+    from kvstore.testing.cluster import MooncakeMaster
+
+    master = MooncakeMaster(tmp_path / "master.log")
+    master.start()
+    try:
+        options = {"master": master.address, "segment_bytes": 16 << 20}
+        yield dict(common, remote_backend="mooncake", remote_options=options)
+    finally:
+        master.stop()
+
+
+def test_a_prefix_another_node_stored_is_retry_while_its_remote_read_runs_then_hit(
+    tmp_path: Path, cluster_options: dict[str, Any]
+) -> None:
+    # Two nodes (each its own store root) share pages through the remote tier. B's
+    # first lookup of A's prefix starts the remote reads: the answer must make vLLM
+    # ask again (RETRY), not MISS -- a MISS is final for the step, so the first
+    # request would recompute every chunk and a remote prefix would never hit on
+    # first sight.
+    remote = cluster_options
     a = open_manager(tmp_path / "a", **remote)
     b = open_manager(tmp_path / "b", **remote)
     try:
