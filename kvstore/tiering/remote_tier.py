@@ -134,6 +134,7 @@ class RemoteTier:
         headers = 4 * config.remote_max_pages
         self._headers = np.zeros(headers * _HDR, dtype=np.uint8)
         self._free_headers = list(range(headers - 1, -1, -1))
+        self._headers_at = int(self._headers.ctypes.data)
         self._fetching: set[bytes] = set()
         self._present = 0.0  # share of asked pages the cluster held, lately
         self._missed: dict[bytes, float] = {}  # key -> when it may be asked again
@@ -197,7 +198,7 @@ class RemoteTier:
         return self._headers[index * _HDR : (index + 1) * _HDR]
 
     def _header_address(self, index: int) -> int:
-        return int(self._headers.ctypes.data) + index * _HDR
+        return self._headers_at + index * _HDR
 
     def _remember(self, table: OrderedDict[bytes, None], key: bytes) -> None:
         table[key] = None
