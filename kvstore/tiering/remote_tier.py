@@ -73,6 +73,7 @@ _SPECULATE_AT = 0.5
 _ABSENT_RETRY_S = 1.0
 _PRESENT_WEIGHT = 0.25  # one ask's weight in that share
 _READY = PageState.READY
+_PUBLISHABLE = (PageState.READY, PageState.EVICTING)
 
 
 @dataclass
@@ -505,7 +506,10 @@ class RemoteTier:
             return
         batch: list[tuple[PageRec, int]] = []
         for rec in recs:
-            if rec.state is not _READY or not rec.tiers & 2 or rec.dram_slot < 0:
+            # READY, or EVICTING: a write-back (write-through placement writes every
+            # offered page at once) only reads the slot, which stays valid until the
+            # copy lands and, pinned by the put, after it.
+            if rec.state not in _PUBLISHABLE or not rec.tiers & 2 or rec.dram_slot < 0:
                 continue
             if rec.key in self._published or rec.key in self._from_remote:
                 continue

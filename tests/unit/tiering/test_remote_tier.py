@@ -292,3 +292,21 @@ def test_the_default_read_into_asks_sizes_then_reads_exactly(cluster: str) -> No
     got = backend.read_into(["small", "big", "none"], [parts, parts, parts])
     assert got == [(3, ""), (0, "too_large"), (0, "absent")]
     assert head.raw == b"ab" and body.raw[:1] == b"c"
+
+
+def test_pages_written_through_to_nvme_are_published_too(cluster: str, tmp_path: object) -> None:
+    # Write-through placement starts each offered page's write-back at once: the page
+    # is EVICTING (its DRAM slot valid, read by the write) when the offer's copy lands,
+    # and it must be published all the same (SGLang's backend writes through).
+    keys, srcs = _pages("w", 4, 13)
+    nvme = {"nvme_path": str(tmp_path), "nvme_options": {"segment_bytes": 4 << 20}}
+    with TierManager.open(_config(cluster, placement="write_through", **nvme)) as a:
+        _until(a, lambda: _up(a))
+        assert a.offer(keys, srcs).admitted == 4
+        _until(a, lambda: a.stats().remote["published"] == 4)
+        a.drain()
+        assert all(torch.equal(x, y) for x, y in zip(_load(a, keys), srcs, strict=True))
+    with TierManager.open(_config(cluster)) as b:
+        _until(b, lambda: _up(b))
+        assert _fetch(b, keys) == 4
+        assert all(torch.equal(x, y) for x, y in zip(_load(b, keys), srcs, strict=True))
