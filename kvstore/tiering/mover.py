@@ -185,6 +185,10 @@ class _ThreadedMover(Mover):
         self.nvme_depth = nvme_depth
         self._lock = threading.Lock()
         self._nvme_landed_s = 0.0  # when the last NVMe job finished (monotonic)
+        # Pipelined NVMe tickets in the order the I/O thread started them; one that
+        # lands before those ahead of it waits in _landed (see _finish).
+        self._started_order: deque[Ticket] = deque()
+        self._landed: set[Ticket] = set()
         self._done_cond = threading.Condition(self._lock)
         self._completed: deque[Ticket] = deque()
         self._close_lock = threading.Lock()
@@ -380,9 +384,14 @@ class _ThreadedMover(Mover):
         synchronous call's failure would be, and None."""
         queue = self._io_queue
         queue.hold()
+        with self._lock:
+            self._started_order.append(ticket)
         try:
             future = start()
         except Exception as e:
+            with self._lock:
+                self._started_order.remove(ticket)
+                self._complete_landed_locked()
             queue.release()
             failed(ticket, e)
             return None
@@ -449,6 +458,10 @@ class _ThreadedMover(Mover):
         together share the disk; each counting its whole wall time would make the
         bandwidth fit read the disk as that many times slower). A batch that ran
         alone, as every one did before batches overlapped, keeps its wall time.
+
+        Pipelined NVMe tickets complete in the order they started, as they did when
+        the I/O thread ran one at a time: one that lands early waits for those
+        started before it (its ``finished_s`` is still when it landed).
         """
         finished = ticket.finished_s = time.monotonic()
         with self._lock:
@@ -456,7 +469,26 @@ class _ThreadedMover(Mover):
                 began = max(ticket.started_s, self._nvme_landed_s)
                 self._nvme_landed_s = max(self._nvme_landed_s, finished)
                 ticket._elapsed_s = max(0.0, finished - began)
+            if self._started_order and ticket in self._started_order:
+                self._landed.add(ticket)
+                self._complete_landed_locked()
+                return
             self._complete_locked(ticket)
+
+    def _complete_landed_locked(self) -> None:
+        """Complete the landed tickets at the head of the start order (lock held); a
+        ticket completed elsewhere (cancelled at close) leaves the order here too."""
+        order, landed = self._started_order, self._landed
+        while order:
+            head = order[0]
+            if head in landed:
+                landed.discard(head)
+                order.popleft()
+                self._complete_locked(head)
+            elif head._state == DONE:
+                order.popleft()
+            else:
+                return
 
     def _complete_locked(self, ticket: Ticket) -> None:
         ticket._state = DONE
@@ -513,6 +545,7 @@ class _ThreadedMover(Mover):
                     ticket.started_s = ticket.finished_s = now
                     with self._lock:
                         self._complete_locked(ticket)
+                        self._complete_landed_locked()
             self._after_close()
 
     def _after_close(self) -> None:
