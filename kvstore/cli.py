@@ -804,6 +804,7 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
         ("nvme_bytes_written", _human("bytes", summary["nvme_bytes_written"])),
         ("C_eff (FLOP/s)", f"{summary['compute_flops']:.3e}"),
         ("heat_pages", f"{summary['heat_pages']:,}"),
+        *_write_gate_rows(summary.get("nvme_write_gate")),
     ):
         overall.add_row(name, value)
     console.print(overall)
@@ -838,6 +839,21 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
                 f"{row['p_reuse']:.3f}",
             )
         console.print(reuse)
+
+
+def _write_gate_rows(gate: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The NVMe write gate's rows of ``kvstore tier stat`` (docs/tiering.md,
+    "Admission by payoff")."""
+    if not gate:
+        return []
+    rows = []
+    for name, label in (("seen_once", "pages seen once"), ("seen_again", "pages seen again")):
+        row = gate[name]
+        share = row["read_back_share"]
+        read_back = "no evidence yet" if share is None else f"{share:.1%} of writes read back"
+        state = "written" if row["open"] else "not written"
+        rows.append((f"NVMe: {label}", f"{state} ({read_back})"))
+    return rows
 
 
 def _print_remote(remote: dict[str, Any]) -> None:

@@ -101,6 +101,10 @@ def config(path: str, case: Case, **overrides: Any) -> Any:
         model=ModelCost(8e9, 32, 32, 128, 16 << 10),
         compute_flops=case.compute_flops,
         probe_at_open=case.calibrate,
+        # Every page is offered once and must stay somewhere: what is measured here is
+        # the bandwidth and compute fits, not the NVMe write gate (which declines pages
+        # seen once until their ghosts show they are asked for again).
+        nvme_write_payoff=None,
     )
     base.update(overrides)
     return TierConfig(**base)

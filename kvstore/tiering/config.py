@@ -181,6 +181,10 @@ class TierConfig:
     tau_initial: float = 0.0  # s of saved time per byte; admit at VD >= τ
     # τ_nvme also rises while NVMe is above its warn watermark (else: the budget only).
     tau_pressure: bool = False
+    # NVMe admission by measured payoff (docs/tiering.md, "Admission by payoff"): a
+    # class of pages is written while at least this share of its writes is read back
+    # from NVMe (ghosts measure a closed class). None: every page VD admits is written.
+    nvme_write_payoff: float | None = 0.001
     persist_stats_s: float = 30.0
     warm_dram_on_open: bool = True
     control_interval_s: float = 0.002  # 0: no control thread; the caller drives step()
@@ -266,6 +270,12 @@ class TierConfig:
                 "watermarks must satisfy 0 < low <= warn <= force <= 1, got "
                 f"low={self.watermark_low} warn={self.watermark_warn} "
                 f"force={self.watermark_force}"
+            )
+        if self.nvme_write_payoff is not None and not (
+            _finite(self.nvme_write_payoff) and 0 <= self.nvme_write_payoff <= 1
+        ):
+            raise ValueError(
+                f"nvme_write_payoff must be in [0, 1] or None, got {self.nvme_write_payoff!r}"
             )
         if self.max_dwpd is not None and not (_finite(self.max_dwpd) and self.max_dwpd > 0):
             raise ValueError(f"max_dwpd must be > 0 or None, got {self.max_dwpd!r}")

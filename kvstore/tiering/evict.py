@@ -100,6 +100,8 @@ class Eviction:
         self._tau = value.tau
         self._admits_nvme = value.admits_nvme
         self._value_density = value.value_density
+        self._payoff = value.payoff
+        self._seen = value.reuse.seen
         # Loads' waiters on a page that landed (set by the manager: loads come after).
         self.fire_waiters: FireWaiters = _no_waiters
         # The share of DRAM kept clean: 1 - watermark_low, more while allocations find
@@ -158,6 +160,10 @@ class Eviction:
         # Two pages per allocation that finds the tier full: a bigger batch leaves
         # slots empty that an exclusive chain would fill (measured by `kvstore sim`).
         batch = 2
+        payoff = self._payoff
+        closed = payoff is not None and not all(payoff.open)
+        if tier == DRAM and closed and self._evict_cheapest_dram(batch):
+            return
         clean_list = self._clean_hbm if tier == HBM else self._clean_dram
         # Pages with a copy below go at once (lowest rank first, as any victim); a
         # demotion would free nothing now. (An empty list answers none.)
@@ -180,7 +186,7 @@ class Eviction:
             # a page NVMe wants would only queue a write.
             eligible = self._eligible(DRAM, False)
             droppable = self._orders[DRAM].take(  # each one is cleared below
-                batch, lambda r: eligible(r) and not self._admits_nvme(r), 256
+                batch, lambda r: eligible(r) and self._droppable(r), 256
             )
             if not droppable:
                 # No such leaf near the head (chains NVMe declines, e.g. a disk slower
@@ -188,17 +194,54 @@ class Eviction:
                 # children in DRAM. They become unreachable and go as leaves later;
                 # stalling instead would decline every new page.
                 droppable = self._orders[DRAM].take(
-                    1, lambda r: copyable(r) and not self._admits_nvme(r), 64
+                    1, lambda r: copyable(r) and self._droppable(r), 64
                 )
                 if droppable:
                     self._bump("evict:dram:not_leaf")
             for rec in droppable:
                 self._clear_tier(rec, DRAM)
                 self._bump("evict:dram:dropped")
+                self._declined(rec)
                 self._forget_if_gone(rec)
             if droppable:
                 return
         self._evict_to(tier, None, force=False, batch=batch)
+
+    def _evict_cheapest_dram(self, batch: int) -> bool:
+        """While the payoff gate keeps a class of pages off NVMe, a dirty page NVMe
+        declines frees its DRAM slot as cheaply as a clean one: free the lowest-ranked
+        of both. (Clean first would free exactly the pages worth writing, the only
+        clean ones, and serve them from NVMe.) False: no such dirty page near the head."""
+        order = self._orders[DRAM]
+        score = getattr(order, "score", None)
+        if score is None:  # an order without a rank (ARC): clean first, as before
+            return False
+        eligible = self._eligible(DRAM, False)
+        droppable = self._droppable
+        drops = order.victims(batch, lambda r: eligible(r) and droppable(r), 64)
+        if not drops:
+            return False
+        clean = self._clean_dram.victims(batch, _freeable, 64)
+        ranked = sorted(
+            [(score(r), True, r) for r in clean] + [(score(r), False, r) for r in drops],
+            key=lambda entry: entry[0],
+        )
+        freed: set[bytes] = set()
+        for _, is_clean, rec in ranked:
+            if len(freed) >= batch:
+                break
+            if rec.key in freed or not rec.in_tier(DRAM):
+                continue
+            freed.add(rec.key)
+            self._clear_tier(rec, DRAM)
+            if is_clean:
+                self._bump("evict:dram:clean")
+            else:
+                self._bump("evict:dram:dropped")
+                self._bump(self._declined_why(rec))
+                self._declined(rec)
+                self._forget_if_gone(rec)
+        return True
 
     # -- the control cycle -------------------------------------------------------
 
@@ -329,16 +372,14 @@ class Eviction:
             self._bump("emergency_evictions")
             self._forget_if_gone(rec)
             return True
-        if not self._admits_nvme(rec):
+        if not self._admits_nvme(rec) and not self._engine_keeps(rec):
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:dropped")
-            # Why: every page is below a κ < 1 (loading slower than recomputing), or
+            self._declined(rec)
+            # Why: every page is below a κ < 1 (loading slower than recomputing),
+            # writes of this page's class are not read back (the payoff gate), or
             # this one's value density is below τ.
-            self._bump(
-                "admission:nvme:kappa_below_1"
-                if self._measure.gated[NVME]
-                else "admission:nvme:below_tau"
-            )
+            self._bump(self._declined_why(rec))
             self._forget_if_gone(rec)
             return True
         if self._write_paced():
@@ -358,8 +399,36 @@ class Eviction:
         writes.append(rec)
         return True
 
+    def _droppable(self, rec: PageRec) -> bool:
+        """A dirty DRAM page that may leave unwritten: NVMe declines it."""
+        return not self._admits_nvme(rec) and not self._engine_keeps(rec)
+
+    def _engine_keeps(self, rec: PageRec) -> bool:
+        """hbm="engine": a page the engine's GPU also holds is written when value
+        density admits it, whatever the payoff gate. (Its GPU copy is no copy the
+        manager can serve: dropped from DRAM, the page would be forgotten while the
+        engine still holds it.)"""
+        if self._owned_hbm or not rec.tiers & 1 or self._payoff is None:
+            return False
+        return self._admission.admit(rec, NVME, self._seen(rec.key), self._tau.tau[NVME])
+
+    def _declined_why(self, rec: PageRec) -> str:
+        """The counter of why NVMe declined ``rec``."""
+        if self._measure.gated[NVME]:
+            return "admission:nvme:kappa_below_1"
+        if self._payoff is not None and not self._payoff.admits(self._seen(rec.key)):
+            return "admission:nvme:no_payoff"
+        return "admission:nvme:below_tau"
+
+    def _declined(self, rec: PageRec) -> None:
+        """A dirty page left DRAM unwritten: its ghost measures what a write would pay."""
+        if self._payoff is not None and not rec.tiers & 4:
+            self._payoff.declined(rec.key, self._seen(rec.key))
+
     def _evict_nvme(self, rec: PageRec) -> None:
         self._tau.on_evict(NVME, self._value_density(rec, NVME))
+        if self._payoff is not None:
+            self._payoff.deleted(rec.key)
         self._clear_tier(rec, NVME)
         if rec.retained:
             self._nvme.release(rec.key)
@@ -546,6 +615,8 @@ class Eviction:
                 # Before settling, as in demote_done: a page that turns clean goes
                 # to the clean list without a stop in DRAM's order.
                 self._set_tier(rec, NVME)
+                if self._payoff is not None:
+                    self._payoff.written(rec.key, self._seen(rec.key))
                 if rec.retained:
                     with contextlib.suppress(KVStoreError):
                         self._nvme.retain(rec.key)

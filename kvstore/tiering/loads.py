@@ -30,6 +30,7 @@ from kvstore.tiering.value import Valuation
 __all__ = ["Loads"]
 
 _WARM_BATCH = 16
+_BRANCH_HITS = True  # count a hit toward Φ's hits only where the prefix goes on differently
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 # Enum members as module constants: in the hot paths an enum attribute read costs
@@ -77,6 +78,7 @@ class Loads:
         self._settle = state.settle
         self._forget_if_gone = state.forget_if_gone
         self._reuse = value.reuse
+        self._payoff = value.payoff
         self._alloc = eviction.alloc
         self._nvme = nvme
         self._copies = copies
@@ -134,28 +136,46 @@ class Loads:
         self._reuse.access_lookup(walked, tag)
         # Leaves older than their parents at the same instant: chains go from the
         # tail. TierState.touch, inlined: this runs once per hit page.
+        # A hit counts toward the hits of the pages up to where the prefix branches:
+        # the deepest hit page whose continuation differs from the one its previous
+        # hit had. A shared prompt or document counts once per request; a chain re-read
+        # by its own next turn does not (its first continuation is no branch), else
+        # its pages would rank by how long its session has run.
+        n_keys = len(keys)
+        counted = len(hit_recs) if not _BRANCH_HITS else 0
+        for i in range(len(hit_recs) - 1, -1, -1):
+            rec = hit_recs[i]
+            following = keys[i + 1] if i + 1 < n_keys else None
+            if not counted and rec.next_key is not None and following != rec.next_key:
+                counted = i + 1
+            rec.next_key = following
         if self._state.orders_track_touches or ctx.deadline_s is not None:
             touch = self._state.touch
-            for rec in reversed(hit_recs):
-                touch(rec, now, ctx.deadline_s)
+            for i in range(len(hit_recs) - 1, -1, -1):
+                touch(hit_recs[i], now, ctx.deadline_s, 1.0 if i < counted else 0.0)
         else:
             decay = self._state.decay_per_s
             exp = math.exp
             last_age, factor = -1.0, 1.0  # a prefix's pages mostly share one age
-            for rec in reversed(hit_recs):
+            for i in range(len(hit_recs) - 1, -1, -1):
+                rec = hit_recs[i]
+                count = 1.0 if i < counted else 0.0
                 age = now - rec.last_access_s
                 if age > 0:
                     if age != last_age:
                         last_age, factor = age, exp(-decay * age)
-                    rec.hits = rec.hits * factor + 1.0
+                    rec.hits = rec.hits * factor + count
                 else:
-                    rec.hits = rec.hits + 1.0
+                    rec.hits = rec.hits + count
                 rec.last_access_s = now
                 rec.reused = True
         total = tokens if tokens is not None else ctx.tokens
         if total is None:
             total = len(keys) * self.config.tokens_per_page
         hit = len(hit_recs)
+        payoff = self._payoff
+        if payoff is not None and hit < len(keys) and payoff.has_ghosts():
+            payoff.missed([k if type(k) is bytes else page_key(k) for k in keys[hit:]])
         self.lookups += 1
         self.misses += len(keys) - hit
         for tier in range(3):
@@ -388,6 +408,8 @@ class Loads:
                 # Missing or failed on NVMe: the page is gone there, never served.
                 self._dram.free(rec.dram_slot)
                 rec.dram_slot = -1
+                if self._payoff is not None:
+                    self._payoff.deleted(rec.key)
                 self._clear_tier(rec, NVME)
                 if rec.waiters:
                     self._bump("read_failures")
@@ -397,6 +419,8 @@ class Loads:
                 self._forget_if_gone(rec)
                 continue
             self._set_tier(rec, DRAM)
+            if self._payoff is not None:
+                self._payoff.read_back(rec.key)
             recently = now - rec.demoted_at_s < self.config.hysteresis_s
             if recently and rec.demoted_at_s > 0:
                 self._bump("thrash")

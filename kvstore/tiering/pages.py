@@ -75,6 +75,7 @@ class PageRec:
         "last_access_s",
         "leaving",
         "nbytes",
+        "next_key",
         "parent",
         "pins",
         "promoted_at_s",
@@ -107,6 +108,10 @@ class PageRec:
         self.state = PageState.READY
         self.last_access_s = now_s
         self.hits = 0.0
+        # The key that followed this page in the last lookup that hit it: a hit counts
+        # toward ``hits`` only where the prefix branches (docs/tiering.md, "Eviction and
+        # placement").
+        self.next_key: object = None
         self.demoted_at_s = -1e18
         self.promoted_at_s = -1e18
         # resident_children, one int slot per tier: a list per page was one more object

@@ -103,6 +103,8 @@ class Restart:
             return
         self._value.reuse.load_json(parsed.reuse)
         self._value.tau.load_json(parsed.tau)
+        if parsed.payoff is not None and self._value.payoff is not None:
+            self._value.payoff.load_json(parsed.payoff)
         for name, (rate, latency_s) in parsed.bandwidth.items():
             # A path the configuration sets is the operator's number, not a seed.
             if name in self._bandwidth and name not in self.config.bandwidth_bytes_per_s:
@@ -136,6 +138,7 @@ class Restart:
             bandwidth={p: b.to_json() for p, b in self._bandwidth.items()},
             compute_flops=self._compute.flops_per_s,
             heat=[[r.key.hex(), r.hits, max(now - r.last_access_s, 0.0)] for r in hottest],
+            payoff=None if self._value.payoff is None else self._value.payoff.to_json(),
             summary={
                 "pages_by_tier": list(self._state.count),
                 "used_bytes": list(self._state.used),

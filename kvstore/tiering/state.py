@@ -22,6 +22,7 @@ from kvstore.tiering.policy import EvictionOrder, make_order
 __all__ = ["TierState"]
 
 _READY = PageState.READY
+_SHARED_AT = 2  # children at which a page (and its ancestors) become shared
 
 
 class TierState:
@@ -88,10 +89,12 @@ class TierState:
             (used[2] - leaving[2]) / cap[2] if cap[2] else 0.0,
         )
 
-    def touch(self, rec: PageRec, now: float, deadline_s: float | None) -> None:
-        """An access: the page's decayed hits, its recency, and (ARC) its place."""
+    def touch(self, rec: PageRec, now: float, deadline_s: float | None, count: float = 1.0) -> None:
+        """An access: the page's decayed hits (``count`` more), its recency, and (ARC)
+        its place."""
         age = now - rec.last_access_s
-        rec.hits = rec.hits * math.exp(-self.decay_per_s * age) + 1.0 if age > 0 else rec.hits + 1
+        decayed = rec.hits * math.exp(-self.decay_per_s * age) if age > 0 else rec.hits
+        rec.hits = decayed + count
         rec.last_access_s = now
         rec.reused = True
         if deadline_s is not None:
@@ -240,7 +243,7 @@ class TierState:
         """A page got a child record. At its second, the prefix branches there: it and
         its ancestors are shared (Φ's frequency term counts only for shared pages)."""
         parent.children += 1
-        if parent.children != 2:
+        if parent.children != _SHARED_AT:
             return
         pages = self.pages
         rec: PageRec | None = parent

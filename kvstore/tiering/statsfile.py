@@ -15,6 +15,8 @@ Format, version 1 (JSON, one object; built by ``snapshot``)::
     bandwidth        {path: {"bytes_per_s", "latency_s", "samples"}, ...}
     compute_flops    float: the fitted effective compute rate C_eff (FLOP/s)
     heat             [[hex_key, decayed_hits, age_s], ...], hottest first
+    payoff           optional: the NVMe write gate per class of page (seen once,
+                     seen again): {"open": [0|1, 0|1], "paid": [f, f], "unpaid": [f, f]}
     summary          {"pages_by_tier", "used_bytes", "capacity_bytes",
                       "hits_by_tier": [hbm, dram, nvme], "misses", "lookups",
                       "nvme_pages_written", "nvme_bytes_written",
@@ -283,7 +285,27 @@ def summarize(
         "counters": dict(sorted(summary["counters"].items())),
         # the remote tier's section (RemoteTier.summary), None without one
         "remote": summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
+        "nvme_write_gate": _write_gate(data.get("payoff")),
     }
+
+
+def _write_gate(payoff: object) -> dict[str, dict[str, Any]] | None:
+    """The NVMe write gate per class, from the optional ``payoff`` field: open or not,
+    and the share of writes read back (None before any evidence). None: no gate saved."""
+    if not isinstance(payoff, dict):
+        return None
+    try:
+        out = {}
+        for index, name in enumerate(("seen_once", "seen_again")):
+            paid = float(payoff["paid"][index])
+            unpaid = float(payoff["unpaid"][index])
+            out[name] = {
+                "open": bool(payoff["open"][index]),
+                "read_back_share": paid / (paid + unpaid) if paid + unpaid > 0 else None,
+            }
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return out
 
 
 def in_use(tier: int, kappa: float, capacity: int) -> bool:
@@ -383,8 +405,10 @@ def snapshot(
     compute_flops: float,
     heat: list[list[object]],
     summary: Mapping[str, Any],
+    payoff: Mapping[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """One version-1 statistics object, stamped with the wall clock."""
+    extra = {} if payoff is None else {"payoff": dict(payoff)}
     return {
         "version": STATS_VERSION,
         "saved_at_unix_s": time.time(),
@@ -394,6 +418,7 @@ def snapshot(
         "compute_flops": compute_flops,
         "heat": heat,
         "summary": dict(summary),
+        **extra,
     }
 
 
@@ -428,6 +453,7 @@ class ManagerStats(NamedTuple):
     bandwidth: dict[str, tuple[float, float]]  # path -> (bytes/s, latency s)
     compute_flops: float
     heat: list[tuple[bytes, float, float]]  # key, decayed hits, age s
+    payoff: dict[str, list[float]] | None = None  # the NVMe write gate, when saved
 
 
 def _finite_number(value: object, *, positive: bool = False) -> bool:
@@ -469,4 +495,15 @@ def parse_for_manager(data: object, where: str) -> ManagerStats:
         if not (isinstance(hex_key, str) and _finite_number(hits) and _finite_number(age_s)):
             raise ValueError(f"{where}: heat row {[hex_key, hits, age_s]!r} is damaged")
         heat.append((bytes.fromhex(hex_key), float(hits), float(age_s)))
-    return ManagerStats(reuse, tau, bandwidth, float(compute_flops), heat)
+    payoff = None
+    if "payoff" in checked:  # optional: written since the NVMe write gate exists
+        raw = checked["payoff"]
+        payoff = {}
+        for name in ("open", "paid", "unpaid"):
+            values = raw.get(name) if isinstance(raw, dict) else None
+            if not (isinstance(values, list) and len(values) == 2):
+                raise ValueError(f"{where}: payoff.{name} is not two numbers")
+            if not all(_finite_number(v) for v in values):
+                raise ValueError(f"{where}: payoff.{name} has a negative or non-finite number")
+            payoff[name] = [float(v) for v in values]
+    return ManagerStats(reuse, tau, bandwidth, float(compute_flops), heat, payoff)

@@ -15,6 +15,7 @@ import math
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import LOAD_PATHS, Bandwidth, Compute, CostModel
 from kvstore.tiering.pages import NVME, TIER_NAMES, PageRec
+from kvstore.tiering.payoff import WritePayoff
 from kvstore.tiering.policy import Admission, ReuseEstimator, TauController
 
 __all__ = ["Valuation"]
@@ -24,7 +25,12 @@ class Valuation:
     """The reuse estimate, admission and τ, and the cached value densities."""
 
     def __init__(
-        self, config: TierConfig, cost: CostModel, compute: Compute, slot_bytes: int
+        self,
+        config: TierConfig,
+        cost: CostModel,
+        compute: Compute,
+        slot_bytes: int,
+        capacity: list[int] | None = None,
     ) -> None:
         self.config = config
         self.cost = cost
@@ -38,6 +44,15 @@ class Valuation:
         self._base_recompute_per_byte = cost.recompute_s(config.tokens_per_page) / slot_bytes
         # (compute rate, recompute s by depth, transfer s by tier); reset by the fits.
         self._vd_cache: tuple[float, dict[int, float], list[float]] | None = None
+        # NVMe admission by measured payoff, beside value density; not where the
+        # operator chose a fixed rule (another admission mode) or every page on NVMe
+        # (write-through); None: off.
+        bar = config.nvme_write_payoff
+        self.payoff: WritePayoff | None = None
+        chosen = config.admission != "value_density" or config.placement == "write_through"
+        if bar is not None and capacity and capacity[NVME] > 0 and not chosen:
+            self.payoff = WritePayoff(bar, WritePayoff.horizon(capacity[NVME] // slot_bytes))
+        self._payoff_changes = 0
 
     def invalidate(self) -> None:
         """A bandwidth fit or the compute rate moved: value densities are computed anew."""
@@ -85,9 +100,16 @@ class Valuation:
 
     def admits_nvme(self, rec: PageRec) -> bool:
         """NVMe admission, decided once per admission epoch (τ's period) per page."""
+        payoff = self.payoff
+        if payoff is not None and payoff.changes != self._payoff_changes:
+            self._payoff_changes = payoff.changes
+            self.admit_epoch += 1  # a class's gate moved: cached admissions expire
         if rec.admit_epoch == self.admit_epoch:
             return rec.admit_nvme
-        ok = self.admission.admit(rec, NVME, self.reuse.seen(rec.key), self.tau.tau[NVME])
+        seen = self.reuse.seen(rec.key)
+        ok = self.admission.admit(rec, NVME, seen, self.tau.tau[NVME])
+        if ok and payoff is not None and not rec.retained:
+            ok = payoff.admits(seen)
         rec.admit_epoch = self.admit_epoch
         rec.admit_nvme = ok
         return ok

@@ -312,6 +312,12 @@ def run(
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {}
 
 
+def _optional(key: str) -> bool:
+    """Whether TierConfig's field ``key`` takes None (its annotation says ``| None``)."""
+    annotation = TierConfig.__annotations__.get(key, "")
+    return "None" in str(annotation)
+
+
 def parse_overrides(name: str) -> dict[str, Any]:
     """``kvstore:admission=freq2,hysteresis_s=0`` -> TierConfig overrides."""
     if ":" not in name:
@@ -329,6 +335,8 @@ def parse_overrides(name: str) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: str, current: object) -> Any:
+    if value.lower() == "none" and _optional(key):
+        return None
     if isinstance(current, bool):
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{key} takes true/false, got {value!r}")

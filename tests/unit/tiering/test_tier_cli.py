@@ -92,6 +92,26 @@ def test_tier_stat_table(stats_dir: Path) -> None:
     assert "0.861" in text and "tenant-a" in text  # the likeliest reuse class
 
 
+def test_tier_stat_shows_the_nvme_write_gate(tmp_path: Path) -> None:
+    data = stats_data()
+    data["payoff"] = {"open": [0, 1], "paid": [1.0, 30.0], "unpaid": [99.0, 10.0]}
+    write_stats(tmp_path, data)
+    result = run("tier", "stat", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    gate = json.loads(result.stdout)["nvme_write_gate"]
+    assert gate["seen_once"] == {"open": False, "read_back_share": 0.01}
+    assert gate["seen_again"] == {"open": True, "read_back_share": 0.75}
+    text = run("tier", "stat", str(tmp_path)).stdout
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    assert "not written (1.0% of writes read back)" in rows["NVMe: pages seen once"]
+    assert "written (75.0% of writes read back)" in rows["NVMe: pages seen again"]
+    # A file saved without the gate (before it existed) has no such rows.
+    write_stats(tmp_path, stats_data())
+    assert (
+        json.loads(run("tier", "stat", str(tmp_path), "--json").stdout)["nvme_write_gate"] is None
+    )
+
+
 def test_tier_commands_on_a_missing_file_exit_8(tmp_path: Path) -> None:
     tmp_path = tmp_path / ("a-directory-name-long-enough-that-a-wrapped-line-would-break-it" * 2)
     tmp_path.mkdir()
