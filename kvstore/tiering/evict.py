@@ -8,23 +8,26 @@ NVMe writes are paced at one second of measured write bandwidth, an emergency sh
 load when the disk falls behind, and NVMe frees on allocation (a delete). The
 completions of demotions and write-backs land here too. State under the manager's
 lock; every change of a page's tiers goes through ``TierState``.
+
+Here: ``Eviction`` (allocation, the control cycle, victims, work ahead of need,
+demotion completions); the writes to NVMe (write-back, its pacing, NVMe room, the
+emergency, the DWPD budget, write completions) are its base class,
+``EvictionWrites`` (evict_writes.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from collections import deque
 from collections.abc import Callable
 
-from kvstore.errors import KVStoreError
-from kvstore.tiering.completions import WriteBack
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.copies import Copies
 from kvstore.tiering.cost import Bandwidth
+from kvstore.tiering.evict_writes import EvictionWrites, FireWaiters
 from kvstore.tiering.measure import Measurements
-from kvstore.tiering.mover_api import Mover, Path, Priority, Ticket
+from kvstore.tiering.mover_api import Mover, Ticket
 from kvstore.tiering.nvme import NvmeTier
 from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
 from kvstore.tiering.state import TierState
@@ -44,13 +47,9 @@ _RESERVE_DECAY_S = 1200.0
 # next burst comes, and declines it.
 _RESERVE_BURST_MAX = 0.75
 _READY, _EVICTING = PageState.READY, PageState.EVICTING
-_WRITEBACK = Priority.WRITEBACK
-_NVME_WRITE = Path.NVME_WRITE
-
-FireWaiters = Callable[..., None]
 
 
-class Eviction:
+class Eviction(EvictionWrites):
     """Room in every tier: victims, demotions, write-back, pacing and the emergency."""
 
     def __init__(
@@ -486,95 +485,6 @@ class Eviction:
             self._bump("precleaned", len(picked))
             self.write_back(picked, demote=False)
 
-    # -- write-back -----------------------------------------------------------------
-
-    def _write_paced(self) -> bool:
-        """Write-back stops queueing at one second of measured write bandwidth."""
-        queued = self._mover.in_flight_bytes(_NVME_WRITE) + self._batch_write_bytes
-        return queued > self._bandwidth["nvme_write"].rate
-
-    def write_back(self, recs: list[PageRec], *, demote: bool) -> None:
-        """DRAM -> NVMe for pages in DRAM; with ``demote`` the DRAM slot goes after."""
-        nvme_need = sum(r.nbytes for r in recs)
-        over = self._used[NVME] + self._nvme_reserved + nvme_need - self._capacity[NVME]
-        if over > 0:
-            # NVMe frees on allocation (a delete): the bytes these writes need, counted
-            # in bytes (victims smaller than a slot free less than one).
-            over = self._make_nvme_room(over)
-            while over > 0 and recs:
-                # No more room (every NVMe page pinned or in flight): the rest stays in
-                # DRAM, dirty, for a later cycle; capacity is never exceeded.
-                rec = recs.pop()
-                nvme_need -= rec.nbytes
-                over -= rec.nbytes
-                self._orders[DRAM].remove(rec)  # a victim or a take: filed again
-                self._enter_order(rec, DRAM)
-                self._bump("write:no_room")
-            if not recs:
-                return
-        self._nvme_reserved += nvme_need
-        busy = self._busy
-        for rec in recs:
-            busy(rec, _EVICTING)
-            if demote:
-                self._leave(rec, DRAM)
-        self._nvme.write(recs, self._dram, _WRITEBACK, WriteBack(recs, demote))
-
-    def _make_nvme_room(self, over: int) -> int:
-        """Delete NVMe victims until ``over`` bytes are free; the bytes still missing."""
-        for _ in range(64):
-            before = self._used[NVME]
-            batch = max(1, math.ceil(over / self._slot_bytes))
-            if not self._evict_to(NVME, None, force=True, batch=batch):
-                break
-            over -= before - self._used[NVME]
-            if over <= 0:
-                break
-        return over
-
-    # -- the disk falling behind --------------------------------------------------------
-
-    def check_emergency(self) -> None:
-        in_flight = self._mover.in_flight_bytes(_NVME_WRITE)
-        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
-        was = self.emergency
-        self.emergency = in_flight > limit
-        if self.emergency and not was:
-            self._bump("emergency:entered")
-            # Free clean DRAM in bulk: pages that already have their NVMe copy.
-            low = self.config.watermark_low * self._capacity[DRAM]
-            clean = [
-                rec
-                for rec in self._orders[DRAM].unordered()
-                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is _READY
-            ]
-            for rec in clean:
-                if self._used[DRAM] <= low:
-                    break
-                self._clear_tier(rec, DRAM)
-                self._bump("emergency_evictions")
-
-    def ramp_drop(self) -> bool:
-        """In an emergency, decline a rising share of new offers (1 in 2, then more)."""
-        self._emergency_offers += 1
-        in_flight = self._mover.in_flight_bytes(_NVME_WRITE)
-        limit = self.config.emergency_write_s * self._bandwidth["nvme_write"].rate
-        over = min(in_flight / limit - 1.0, 1.0) if limit else 1.0
-        keep_every = max(1, int(1 / max(1.0 - over, 1e-3)))
-        return self._emergency_offers % keep_every != 0 or over >= 1.0
-
-    def write_over_budget(self, now: float) -> float:
-        """NVMe writes of the last minute against ``max_dwpd``'s rate (1.0: at it)."""
-        if self.config.max_dwpd is None or not self._capacity[NVME]:
-            return 0.0
-        window = self._write_window
-        while window and now - window[0][0] > 60.0:
-            window.popleft()
-        written = sum(n for _, n in window)
-        span = max(now - window[0][0], 1.0) if window else 1.0
-        budget = self.config.max_dwpd * self._capacity[NVME] / 86400.0
-        return (written / span) / budget if budget > 0 else 0.0
-
     # -- completions ------------------------------------------------------------------
 
     def demote_done(self, ticket: Ticket, recs: list[PageRec], keep: bool) -> None:
@@ -597,39 +507,6 @@ class Eviction:
                 self._clear_tier(rec, HBM)
             else:
                 self._stay(rec, HBM)  # a load still reading the HBM slot keeps it
-            if rec.waiters:
-                self.fire_waiters(rec, ok=True)
-
-    def write_done(self, ticket: Ticket, recs: list[PageRec], demote: bool) -> None:
-        results = ticket.results
-        now = self._now()
-        window_kept = self.config.max_dwpd is not None
-        for index, rec in enumerate(recs):
-            stored = ticket.error is None and results is not None and results[index]
-            self._nvme_reserved -= rec.nbytes
-            if stored:
-                self.nvme_written[0] += 1
-                self.nvme_written[1] += rec.nbytes
-                if window_kept:  # read only against a DWPD budget
-                    self._write_window.append((now, rec.nbytes))
-                # Before settling, as in demote_done: a page that turns clean goes
-                # to the clean list without a stop in DRAM's order.
-                self._set_tier(rec, NVME)
-                if self._payoff is not None:
-                    self._payoff.written(rec.key, self._seen(rec.key))
-                if rec.retained:
-                    with contextlib.suppress(KVStoreError):
-                        self._nvme.retain(rec.key)
-            else:
-                self._bump("write_failures")
-            self._settle(rec)
-            if demote and rec.pins == 0 and not rec.waiters and rec.in_tier(DRAM):
-                self._clear_tier(rec, DRAM)
-                if not stored:
-                    self._bump("evict:dram:write_failed")
-                    self._forget_if_gone(rec)
-            elif demote:
-                self._stay(rec, DRAM)
             if rec.waiters:
                 self.fire_waiters(rec, ok=True)
 
