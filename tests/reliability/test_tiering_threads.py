@@ -130,9 +130,20 @@ class FaultyStore:
         return self.real_put(items, **options)
 
     def put_many_async(self, items: list[Any], **options: Any) -> Future[list[bool]]:
-        # The mover's write-back: the same faults, raised by the batch in flight on
-        # the store's pipeline (its future's exception), not at submission.
-        return self.store._pipeline().submit(self.put_many, list(items), **options)
+        # The mover's write-back: the same faults, raised by the batch in flight (its
+        # future's exception, on a thread of its own as on the store's pipeline), not
+        # at submission.
+        future: Future[list[bool]] = Future()
+        items = list(items)
+
+        def run() -> None:
+            try:
+                future.set_result(self.put_many(items, **options))
+            except BaseException as e:  # the future carries it, as the pipeline's would
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="faulty-put-many", daemon=True).start()
+        return future
 
 
 def config(tmp_path: Path) -> TierConfig:
