@@ -14,6 +14,7 @@ int, "tokens": int}``; ``kvr`` is the wire version. Bytes <-> values, no I/O.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "encode_remote_header_into",
     "remote_key",
     "verify_remote_value",
+    "verify_remote_values",
 ]
 
 REMOTE_WIRE_VERSION = 1
@@ -96,6 +98,62 @@ def encode_remote_header_into(
         0,
         checksum(payload),
     )
+
+
+def verify_remote_values(
+    headers: Sequence[BytesLike],
+    payloads: Sequence[BytesLike],
+    *,
+    namespace: str,
+    names: Sequence[bytes],
+    max_payload_bytes: int,
+) -> list[RemotePage | str]:
+    """``verify_remote_value`` for a read's values in one pass: the same checks, in
+    the same order, per value (``names``: each one's ``remote_key`` encoded, as the
+    reader asked for it); for each a ``RemotePage`` or the reason word a caller
+    counts (``unverifiable``, ``mismatched``, ``short``, ``checksum``). No exception
+    per value, no key rebuilt, no header record kept: the reads of a lookup's 64
+    values check in about half the Python calls of one call per value."""
+    out: list[RemotePage | str] = []
+    append = out.append
+    loads, fromhex, version = json.loads, bytes.fromhex, REMOTE_WIRE_VERSION
+    for header, payload, name in zip(headers, payloads, names, strict=True):
+        try:
+            head = decode_record_header(header, max_page_bytes=max_payload_bytes)
+        except KVStoreError:
+            append("unverifiable")
+            continue
+        if head.lsn or head.segment_id or head.offset or head.generation:
+            append("unverifiable")
+            continue
+        if head.key != name:
+            append("mismatched")
+            continue
+        try:
+            meta: Any = loads(head.meta)
+        except ValueError:
+            append("unverifiable")
+            continue
+        if type(meta) is not dict or meta.get("kvr") != version or meta.get("ns") != namespace:
+            append("mismatched")
+            continue
+        if head.payload_bytes != len(payload):
+            append("short")
+            continue
+        if checksum(payload) != head.payload_checksum:
+            append("checksum")
+            continue
+        parent_hex, depth, tokens = meta.get("parent"), meta.get("depth"), meta.get("tokens")
+        try:
+            parent = fromhex(parent_hex) if type(parent_hex) is str else None
+        except ValueError:
+            append("unverifiable")
+            continue
+        if type(depth) is not int or type(tokens) is not int or depth < 0 or tokens < 1:
+            append("unverifiable")
+            continue
+        append(RemotePage(head.payload_bytes, parent, depth, tokens))
+    return out
 
 
 def verify_remote_value(

@@ -126,6 +126,33 @@ class Eviction(EvictionWrites):
             slot = arena.alloc()
         return slot
 
+    def alloc_many(self, tier: int, n: int) -> list[int] | None:
+        """``n`` slots in HBM or DRAM for one read (the remote tier's lookups), evicting
+        for the whole shortfall at once where the tier lacks them instead of two pages
+        per slot; None (and nothing taken): not ``n`` to be had. Victims by
+        ``alloc``'s rules (clean copies first, then pages NVMe declines, then a batch;
+        never a pinned page, one with waiters, or one in flight); a pass frees what it
+        can (a chain frees its tail first) and the next asks for what is still short,
+        until a pass frees nothing. The single-node paths allocate with ``alloc``:
+        their decisions are unchanged."""
+        arena = self._hbm if tier == HBM else self._dram
+        free = arena.free_slots()
+        while free < n:
+            self._evict_now(tier, n - free)
+            freed = arena.free_slots()
+            if freed <= free:  # nothing more can go now
+                return None
+            free = freed
+        slots: list[int] = []
+        for _ in range(n):
+            slot = arena.alloc()
+            if slot is None:  # taken meanwhile (another thread's pool)
+                for taken in slots:
+                    arena.free(taken)
+                return None
+            slots.append(slot)
+        return slots
+
     def _eligible(self, tier: int, force: bool) -> Callable[[PageRec], bool]:
         now = self._now()
         hysteresis = self.config.hysteresis_s
@@ -152,21 +179,21 @@ class Eviction(EvictionWrites):
 
         return eligible
 
-    def _evict_now(self, tier: int) -> None:
+    def _evict_now(self, tier: int, batch: int = 2) -> None:
         """A slot is wanted at once: free a batch of pages that can go without a copy
         (HBM/DRAM pages with a copy below, or not worth keeping); demote the rest in
-        the background."""
-        # Two pages per allocation that finds the tier full: a bigger batch leaves
-        # slots empty that an exclusive chain would fill (measured by `kvstore sim`).
-        batch = 2
+        the background. ``batch``: 2 for one slot (a bigger batch leaves slots empty
+        that an exclusive chain would fill, measured by `kvstore sim`); ``alloc_many``
+        asks for its whole shortfall."""
+        scan = max(64, 2 * batch)  # 64 for one slot, as always
         payoff = self._payoff
         closed = payoff is not None and not all(payoff.open)
-        if tier == DRAM and closed and self._evict_cheapest_dram(batch):
+        if tier == DRAM and closed and self._evict_cheapest_dram(batch, scan):
             return
         clean_list = self._clean_hbm if tier == HBM else self._clean_dram
         # Pages with a copy below go at once (lowest rank first, as any victim); a
         # demotion would free nothing now. (An empty list answers none.)
-        clean = clean_list.take(batch, _freeable, 64)  # each one is cleared below
+        clean = clean_list.take(batch, _freeable, scan)  # each one is cleared below
         if clean:
             clear = self._clear_tier
             for rec in clean:
@@ -185,7 +212,7 @@ class Eviction(EvictionWrites):
             # a page NVMe wants would only queue a write.
             eligible = self._eligible(DRAM, False)
             droppable = self._orders[DRAM].take(  # each one is cleared below
-                batch, lambda r: eligible(r) and self._droppable(r), 256
+                batch, lambda r: eligible(r) and self._droppable(r), 4 * scan
             )
             if not droppable:
                 # No such leaf near the head (chains NVMe declines, e.g. a disk slower
@@ -206,7 +233,7 @@ class Eviction(EvictionWrites):
                 return
         self._evict_to(tier, None, force=False, batch=batch)
 
-    def _evict_cheapest_dram(self, batch: int) -> bool:
+    def _evict_cheapest_dram(self, batch: int, scan: int = 64) -> bool:
         """While the payoff gate keeps a class of pages off NVMe, a dirty page NVMe
         declines frees its DRAM slot as cheaply as a clean one: free the lowest-ranked
         of both. (Clean first would free exactly the pages worth writing, the only
@@ -217,10 +244,10 @@ class Eviction(EvictionWrites):
             return False
         eligible = self._eligible(DRAM, False)
         droppable = self._droppable
-        drops = order.victims(batch, lambda r: eligible(r) and droppable(r), 64)
+        drops = order.victims(batch, lambda r: eligible(r) and droppable(r), scan)
         if not drops:
             return False
-        clean = self._clean_dram.victims(batch, _freeable, 64)
+        clean = self._clean_dram.victims(batch, _freeable, scan)
         ranked = sorted(
             [(score(r), True, r) for r in clean] + [(score(r), False, r) for r in drops],
             key=lambda entry: entry[0],

@@ -26,12 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import CorruptionError
 from kvstore.format.remote import (
     REMOTE_HEADER_BYTES,
     RemotePage,
     remote_key,
-    verify_remote_value,
+    verify_remote_values,
 )
 from kvstore.tiering.arena import SlotPool
 from kvstore.tiering.config import TierConfig
@@ -98,6 +97,7 @@ class RemoteReads:
     _backend: RemoteBackend
     _dram: SlotPool
     _alloc: Callable[[int], int | None]
+    _alloc_many: Callable[[int, int], list[int] | None]
     _cost: CostModel
     _h2d: Bandwidth
     _deadline_s: float
@@ -228,15 +228,12 @@ class RemoteReads:
         n = len(fetch.keys)
         if len(self._free_headers) < n:
             return False
-        alloc = self._alloc if self._present >= _SPECULATE_AT else _no_evict(self._dram)
-        slots: list[int] = []
-        for _ in range(n):
-            slot = alloc(DRAM)
-            if slot is None:
-                for taken in slots:
-                    self._dram.free(taken)
-                return False
-            slots.append(slot)
+        if self._present >= _SPECULATE_AT:
+            slots = self._alloc_many(DRAM, n)  # evicting for the whole shortfall at once
+        else:
+            slots = _free_only(self._dram, n)
+        if slots is None:
+            return False
         limit = self.config.page_bytes
         items = [
             (key, slot, self._free_headers.pop(), limit)
@@ -306,6 +303,7 @@ class RemoteReads:
         the value's exact size, from a size query (``get_into``). Verified in place:
         the header block and the payload's bytes as they landed in the slot."""
         names = [remote_key(self.namespace, k) for k, _, _, _ in items]
+        encoded = [name.encode() for name in names]
         views = [self._dram.view(slot, n) for _, slot, _, n in items]
         parts = [
             [(self._header_address(h), _HDR), (int(view.data_ptr()), n)]
@@ -317,9 +315,9 @@ class RemoteReads:
         def read() -> list[tuple[RemotePage | None, str]]:
             got = backend.read_into(names, parts) if direct else backend.get_into(names, parts)
             out: list[tuple[RemotePage | None, str]] = []
-            for (key, _, _, n), (nbytes, reason), head, view in zip(
-                items, got, headers, views, strict=True
-            ):
+            # The values whose size passes are verified in one pass, then slotted in.
+            check: list[int] = []
+            for at, ((_, _, _, n), (nbytes, reason)) in enumerate(zip(items, got, strict=True)):
                 if reason:
                     out.append((None, reason))
                 elif nbytes == 0:
@@ -327,17 +325,18 @@ class RemoteReads:
                 elif nbytes <= _HDR or nbytes > _HDR + n or (not direct and nbytes != _HDR + n):
                     out.append((None, "short"))
                 else:
-                    try:
-                        page = verify_remote_value(
-                            head,
-                            view.numpy()[: nbytes - _HDR],
-                            namespace=namespace,
-                            key=key,
-                            max_payload_bytes=limit,
-                        )
-                        out.append((page, ""))
-                    except CorruptionError as e:
-                        out.append((None, str(e).split(":", 1)[0]))
+                    out.append((None, "unverifiable"))  # until verified below
+                    check.append(at)
+            if check:
+                verified = verify_remote_values(
+                    [headers[at] for at in check],
+                    [views[at].numpy()[: got[at][0] - _HDR] for at in check],
+                    namespace=namespace,
+                    names=[encoded[at] for at in check],
+                    max_payload_bytes=limit,
+                )
+                for at, page in zip(check, verified, strict=True):
+                    out[at] = (None, page) if isinstance(page, str) else (page, "")
             return out
 
         return read
@@ -445,10 +444,16 @@ class RemoteReads:
             self.bandwidth[REMOTE_READ].observe(moved, seconds, now)
 
 
-def _no_evict(pool: SlotPool) -> Callable[[int], int | None]:
-    """``alloc`` that takes a free slot only (None when there is none)."""
-
-    def alloc(tier: int) -> int | None:
-        return pool.alloc()
-
-    return alloc
+def _free_only(pool: SlotPool, n: int) -> list[int] | None:
+    """``n`` free slots, evicting nothing (None, and nothing taken: fewer are free)."""
+    if pool.free_slots() < n:
+        return None
+    slots: list[int] = []
+    for _ in range(n):
+        slot = pool.alloc()
+        if slot is None:
+            for taken in slots:
+                pool.free(taken)
+            return None
+        slots.append(slot)
+    return slots

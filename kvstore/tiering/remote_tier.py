@@ -66,6 +66,7 @@ class RemoteTier(RemoteReads):
         backend: RemoteBackend,
         dram: SlotPool,
         alloc: Callable[[int], int | None],
+        alloc_many: Callable[[int, int], list[int] | None],
         reuse: ReuseEstimator,
         cost: CostModel,
         h2d: Bandwidth,
@@ -77,6 +78,7 @@ class RemoteTier(RemoteReads):
         self._backend = backend
         self._dram = dram
         self._alloc = alloc
+        self._alloc_many = alloc_many
         self._reuse = reuse
         self._cost = cost
         self._h2d = h2d
@@ -345,6 +347,7 @@ def open_remote(
         backend=backend,
         dram=backends.dram,
         alloc=eviction.alloc,
+        alloc_many=eviction.alloc_many,
         reuse=value.reuse,
         cost=cost,
         h2d=backends.bandwidth["h2d"],

@@ -14,7 +14,12 @@ import torch
 
 from kvstore.bench.tiering import load_config
 from kvstore.errors import CorruptionError
-from kvstore.format.remote import encode_remote_header_into, remote_key, verify_remote_value
+from kvstore.format.remote import (
+    encode_remote_header_into,
+    remote_key,
+    verify_remote_value,
+    verify_remote_values,
+)
 from kvstore.tiering import TierManager
 from kvstore.tiering.remote import memory_cluster
 
@@ -214,6 +219,39 @@ def test_the_wire_value_refuses_what_it_is_not() -> None:
     head[10] ^= 1
     with pytest.raises(CorruptionError, match="unverifiable"):
         verify_remote_value(head, payload, namespace=NS, key=b"k", max_payload_bytes=PB)
+
+
+def test_the_one_pass_check_gives_each_value_the_reason_the_single_check_gives() -> None:
+    payload = b"x" * 5000
+    head = bytearray(4096)
+    encode_remote_header_into(
+        memoryview(head), namespace=NS, key=b"k", payload=payload, parent=b"p", depth=1, tokens=8
+    )
+    bad = bytearray(head)
+    bad[10] ^= 1
+    name = remote_key(NS, b"k").encode()
+    cases = [  # header, payload, name
+        (head, payload, name),
+        (head, payload, remote_key(NS, b"j").encode()),
+        (head, b"y" * 5000, name),
+        (head, payload[:-1], name),
+        (bad, payload, name),
+    ]
+    got = verify_remote_values(
+        [c[0] for c in cases],
+        [c[1] for c in cases],
+        namespace=NS,
+        names=[c[2] for c in cases],
+        max_payload_bytes=PB,
+    )
+    assert got[0] == verify_remote_value(
+        head, payload, namespace=NS, key=b"k", max_payload_bytes=PB
+    )
+    assert got[1:] == ["mismatched", "checksum", "short", "unverifiable"]
+    other = verify_remote_values(
+        [head], [payload], namespace="other", names=[name], max_payload_bytes=PB
+    )
+    assert other == ["mismatched"]
 
 
 def test_config_refuses_a_remote_tier_without_a_namespace() -> None:

@@ -1,0 +1,115 @@
+"""``Eviction.alloc_many``: the slots of one remote read, evicted for in one pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstore.tiering import ModelCost, TierConfig, TierManager
+from kvstore.tiering.pages import DRAM
+
+PAGE = SLOT = 64 * 1024
+
+
+def config(dram_slots: int) -> TierConfig:
+    return TierConfig(
+        device="cpu",
+        hbm="owned",
+        hbm_bytes=0,
+        dram_bytes=dram_slots * SLOT,
+        page_bytes=PAGE,
+        tokens_per_page=16,
+        nvme_path=None,  # a DRAM victim is dropped: freed at once
+        model=ModelCost(1e9, 8, 8, 64, PAGE // 16),
+        compute_flops=1e11,
+        admission="all",
+        hysteresis_s=0.0,
+        probe_at_open=False,
+        control_interval_s=0,  # no control thread: only alloc_many evicts
+    )
+
+
+def keys(n: int, prefix: str) -> list[bytes]:
+    return [f"{prefix}{i}".encode() for i in range(n)]
+
+
+def page(i: int) -> torch.Tensor:
+    return torch.full((PAGE,), i % 256, dtype=torch.uint8)
+
+
+def _offer(tm: TierManager, n: int) -> list[bytes]:
+    """``n`` roots offered (every page a leaf, each its own victim); the keys in DRAM."""
+    ks = keys(n, "d")
+    for i, k in enumerate(ks):
+        tm.offer([k], [page(i)], parents=[None])
+        tm.drain()
+    return [k for k in ks if k in tm._state.pages and tm._state.pages[k].in_tier(DRAM)]
+
+
+def _fill(tm: TierManager) -> None:
+    """Take DRAM's free slots (an offer that finds DRAM full frees two, uses one)."""
+    while tm._dram.alloc() is not None:
+        pass
+
+
+def _spy_evict_now(tm: TierManager) -> list[int]:
+    calls: list[int] = []
+    evict: Any = tm._evict
+    inner = evict._evict_now
+
+    def spy(tier: int, batch: int = 2) -> None:
+        calls.append(batch)
+        inner(tier, batch)
+
+    evict._evict_now = spy
+    return calls
+
+
+def test_alloc_many_frees_n_slots_in_one_pass_and_never_a_pinned_page() -> None:
+    cfg = config(16)
+    with TierManager.open(cfg) as tm:
+        ks = _offer(tm, 20)
+        _fill(tm)
+        assert len(ks) == 14  # 20 offered: each that found DRAM full freed two
+        pinned = ks[:6]  # the lowest ranked: the first victims but for the pins
+        assert tm.pin(pinned) == [True] * 6
+        calls = _spy_evict_now(tm)
+        with tm._lock:
+            slots = tm._evict.alloc_many(DRAM, 8)  # every unpinned page
+        assert slots is not None and len(set(slots)) == 8
+        assert calls == [8]  # one pass for the whole shortfall, not 2 pages a slot
+        pages = tm._state.pages
+        assert all(pages[k].in_tier(DRAM) for k in pinned)
+        gone = [k for k in ks[6:] if k not in pages or not pages[k].in_tier(DRAM)]
+        assert len(gone) == 8
+        tm.unpin(pinned)
+
+
+def test_alloc_many_takes_nothing_when_pins_leave_too_few() -> None:
+    cfg = config(8)
+    with TierManager.open(cfg) as tm:
+        ks = _offer(tm, 8)
+        _fill(tm)
+        assert len(ks) == 6
+        assert tm.pin(ks[:3]) == [True] * 3
+        with tm._lock:
+            assert tm._evict.alloc_many(DRAM, 4) is None  # 3 unpinned pages at most
+        assert all(tm._state.pages[k].in_tier(DRAM) for k in ks[:3])
+        assert tm._dram.free_slots() == 3  # what was freed stays free: nothing taken
+        with tm._lock:
+            slots = tm._evict.alloc_many(DRAM, 3)
+        assert slots is not None and len(slots) == 3
+        tm.unpin(ks[:3])
+
+
+def test_alloc_many_with_room_evicts_nothing() -> None:
+    cfg = config(8)
+    with TierManager.open(cfg) as tm:
+        _offer(tm, 4)
+        calls = _spy_evict_now(tm)
+        with tm._lock:
+            slots = tm._evict.alloc_many(DRAM, 4)
+        assert slots is not None and len(slots) == 4 and calls == []
+        with tm._lock:
+            assert tm._evict.alloc_many(DRAM, 1) is not None and calls == [1]
