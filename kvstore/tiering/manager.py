@@ -565,6 +565,7 @@ class TierManager:
     def stats(self) -> TierStats:
         with self._lock:
             kappa = tuple(self.cost.kappa(t, self.config.page_bytes) for t in range(3))
+            gate = self._value.payoff
             return TierStats(
                 pages=len(self._pages),
                 used_bytes=(self._state.used[0], self._state.used[1], self._state.used[2]),
@@ -604,6 +605,7 @@ class TierManager:
                     bool(self._capacity[NVME]) and kappa[NVME] >= 1.0,
                 ),
                 remote=self._remote.summary() if self._remote is not None else None,
+                nvme_write_gate=None if gate is None else (gate.open[0], gate.open[1]),
             )
 
     def metrics_registry(self) -> Any:

@@ -121,6 +121,16 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
     )
     if remote:
         yield from _remote_families(remote)
+    if stats.nvme_write_gate is not None:
+        gate = GaugeMetricFamily(
+            "kvstore_tier_nvme_write_gate",
+            "1 where NVMe takes the writes of a class of page (seen_once, seen_again), "
+            "0 where their writes are measured not to be read back",
+            labels=["class"],
+        )
+        for name, open_ in zip(("seen_once", "seen_again"), stats.nvme_write_gate, strict=True):
+            gate.add_metric([name], 1.0 if open_ else 0.0)
+        yield gate
     yield _split_counter(
         "kvstore_tier_admissions",
         "Admission decisions by tier and decision (admitted, below_tau, full, ...)",

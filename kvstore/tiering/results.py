@@ -247,3 +247,6 @@ class TierStats:
     # The remote tier's summary (RemoteTier.summary: state, hits, misses by reason,
     # published pages, kappa, bandwidths); None without a remote tier.
     remote: Mapping[str, Any] | None = None
+    # The NVMe write gate (docs/tiering.md, "Admission by payoff"): whether NVMe takes
+    # the writes of pages seen once, and of pages seen again; None without the gate.
+    nvme_write_gate: tuple[bool, bool] | None = None

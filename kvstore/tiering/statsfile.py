@@ -368,7 +368,15 @@ def stats_view_from_file(data: Mapping[str, Any]) -> TierStats:
             in_use(2, float(summary["kappa"][2]), int(summary["capacity_bytes"][2])),
         ),
         remote=summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
+        nvme_write_gate=_gate_open(data.get("payoff")),
     )
+
+
+def _gate_open(payoff: object) -> tuple[bool, bool] | None:
+    gate = _write_gate(payoff)
+    if gate is None:
+        return None
+    return bool(gate["seen_once"]["open"]), bool(gate["seen_again"]["open"])
 
 
 def _ints(values: list[Any]) -> tuple[int, int, int]:

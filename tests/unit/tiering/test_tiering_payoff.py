@@ -156,6 +156,17 @@ def test_the_gate_off_writes_pages_seen_once(tmp_path: Path) -> None:
         stats = tm.stats()
         assert stats.nvme_pages_written > 0
         assert stats.admissions.get("nvme:no_payoff", 0) == 0
+        assert stats.nvme_write_gate is None
+
+
+def test_stats_show_the_gate(tmp_path: Path) -> None:
+    with TierManager.open(_manager_config(tmp_path)) as tm:
+        assert tm.stats().nvme_write_gate == (False, True)  # the prior
+        first = keys(40, "a")
+        _offer_chain(tm, first, 0)
+        for i in range(0, 40, 2):
+            tm.lookup(first[i : i + 2])
+        assert tm.stats().nvme_write_gate == (True, True)
 
 
 def test_the_gate_survives_a_restart(tmp_path: Path) -> None:
