@@ -12,6 +12,7 @@ Mooncake client's own copying ``get`` and ``is_exist``), ``stats``, ``exit``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,10 +20,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MooncakeMaster", "Node", "free_port", "node_config", "pages_of"]
+__all__ = ["MooncakeMaster", "Node", "free_port", "node_config", "pages_of", "running_master"]
 
 PAGE_BYTES = 256 << 10
 NAMESPACE = "test-model/float16/tp1/page_first"
@@ -69,6 +71,17 @@ class MooncakeMaster:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+@contextlib.contextmanager
+def running_master(log_path: Path) -> Iterator[MooncakeMaster]:
+    """A started ``MooncakeMaster`` (its log at ``log_path``), stopped on exit."""
+    master = MooncakeMaster(log_path)
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
 
 
 def node_config(store: str, master: str, **overrides: Any) -> dict[str, Any]:

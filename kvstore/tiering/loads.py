@@ -30,7 +30,6 @@ from kvstore.tiering.value import Valuation
 __all__ = ["Loads"]
 
 _WARM_BATCH = 16
-_BRANCH_HITS = True  # count a hit toward Φ's hits only where the prefix goes on differently
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 # Enum members as module constants: in the hot paths an enum attribute read costs
@@ -141,25 +140,29 @@ class Loads:
         # hit had. A shared prompt or document counts once per request; a chain re-read
         # by its own next turn does not (its first continuation is no branch), else
         # its pages would rank by how long its session has run.
+        # One pass from the deepest page: once the branch is found, it and every page
+        # above it count.
         n_keys = len(keys)
-        counted = len(hit_recs) if not _BRANCH_HITS else 0
-        for i in range(len(hit_recs) - 1, -1, -1):
-            rec = hit_recs[i]
-            following = keys[i + 1] if i + 1 < n_keys else None
-            if not counted and rec.next_key is not None and following != rec.next_key:
-                counted = i + 1
-            rec.next_key = following
+        count = 0.0
         if self._state.orders_track_touches or ctx.deadline_s is not None:
             touch = self._state.touch
             for i in range(len(hit_recs) - 1, -1, -1):
-                touch(hit_recs[i], now, ctx.deadline_s, 1.0 if i < counted else 0.0)
+                rec = hit_recs[i]
+                following = keys[i + 1] if i + 1 < n_keys else None
+                if not count and rec.next_key is not None and following != rec.next_key:
+                    count = 1.0
+                rec.next_key = following
+                touch(rec, now, ctx.deadline_s, count)
         else:
             decay = self._state.decay_per_s
             exp = math.exp
             last_age, factor = -1.0, 1.0  # a prefix's pages mostly share one age
             for i in range(len(hit_recs) - 1, -1, -1):
                 rec = hit_recs[i]
-                count = 1.0 if i < counted else 0.0
+                following = keys[i + 1] if i + 1 < n_keys else None
+                if not count and rec.next_key is not None and following != rec.next_key:
+                    count = 1.0
+                rec.next_key = following
                 age = now - rec.last_access_s
                 if age > 0:
                     if age != last_age:

@@ -140,6 +140,14 @@ def cut_parts(parts: Sequence[Part], nbytes: int) -> list[Part]:
     return out
 
 
+def _scatter(value: bytes, parts: Sequence[Part]) -> None:
+    """Copy ``value`` into ``parts`` in order (their sizes add up to its length)."""
+    at = 0
+    for address, nbytes in parts:
+        ctypes.memmove(address, value[at : at + nbytes], nbytes)
+        at += nbytes
+
+
 def register_remote_backend(name: str) -> Callable[[type[RemoteBackend]], type[RemoteBackend]]:
     """Class decorator: ``TierConfig(remote_backend=name)`` opens this backend."""
 
@@ -345,10 +353,7 @@ class MemoryBackend(RemoteBackend):
             if sum(n for _, n in value_parts) != len(value):
                 out.append((0, "transfer"))
                 continue
-            at = 0
-            for address, nbytes in value_parts:
-                ctypes.memmove(address, value[at : at + nbytes], nbytes)
-                at += nbytes
+            _scatter(value, value_parts)
             out.append((len(value), ""))
         return out
 
@@ -365,10 +370,7 @@ class MemoryBackend(RemoteBackend):
             elif len(value) > sum(n for _, n in value_parts):
                 out.append((0, "too_large"))
             else:
-                at = 0
-                for address, nbytes in cut_parts(value_parts, len(value)):
-                    ctypes.memmove(address, value[at : at + nbytes], nbytes)
-                    at += nbytes
+                _scatter(value, cut_parts(value_parts, len(value)))
                 out.append((len(value), ""))
         return out
 

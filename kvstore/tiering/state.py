@@ -22,7 +22,6 @@ from kvstore.tiering.policy import EvictionOrder, make_order
 __all__ = ["TierState"]
 
 _READY = PageState.READY
-_SHARED_AT = 2  # children at which a page (and its ancestors) become shared
 
 
 class TierState:
@@ -243,7 +242,7 @@ class TierState:
         """A page got a child record. At its second, the prefix branches there: it and
         its ancestors are shared (Φ's frequency term counts only for shared pages)."""
         parent.children += 1
-        if parent.children != _SHARED_AT:
+        if parent.children != 2:
             return
         pages = self.pages
         rec: PageRec | None = parent

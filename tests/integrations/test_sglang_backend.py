@@ -610,16 +610,12 @@ def test_a_prefix_stored_on_node_a_is_a_hit_on_node_b_through_a_real_mooncake_ma
     reason = mooncake_available()
     if reason is not None:
         pytest.skip(reason)
-    from kvstore.testing.cluster import MooncakeMaster
+    from kvstore.testing.cluster import running_master
 
-    master = MooncakeMaster(tmp_path / "master.log")
-    master.start()
-    try:
+    with running_master(tmp_path / "master.log") as master:
         mooncake = {
             "remote_backend": "mooncake",
             "remote_options": {"master": master.address, "segment_bytes": 16 << 20},
             "remote_deadline_s": 2.0,
         }
         _node_a_stores_node_b_hits(tmp_path, mooncake)
-    finally:
-        master.stop()

@@ -204,15 +204,11 @@ def cluster_options(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
     reason = mooncake_available()
     if reason is not None:
         pytest.skip(reason)
-    from kvstore.testing.cluster import MooncakeMaster
+    from kvstore.testing.cluster import running_master
 
-    master = MooncakeMaster(tmp_path / "master.log")
-    master.start()
-    try:
+    with running_master(tmp_path / "master.log") as master:
         options = {"master": master.address, "segment_bytes": 16 << 20}
         yield dict(common, remote_backend="mooncake", remote_options=options)
-    finally:
-        master.stop()
 
 
 def test_a_prefix_another_node_stored_is_retry_while_its_remote_read_runs_then_hit(

@@ -21,15 +21,13 @@ pytestmark = [
 ]
 
 if _REASON is None:
-    from kvstore.testing.cluster import MooncakeMaster, Node, node_config
+    from kvstore.testing.cluster import MooncakeMaster, Node, node_config, running_master
 
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
-    m = MooncakeMaster(tmp_path / "master.log")
-    m.start()
-    yield m
-    m.stop()
+    with running_master(tmp_path / "master.log") as m:
+        yield m
 
 
 def _node(tmp_path: Path, name: str, master: MooncakeMaster) -> Node:
