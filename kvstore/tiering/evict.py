@@ -252,13 +252,13 @@ class Eviction(EvictionWrites):
             [(score(r), True, r) for r in clean] + [(score(r), False, r) for r in drops],
             key=lambda entry: entry[0],
         )
-        freed: set[bytes] = set()
+        freed = 0
         for _, is_clean, rec in ranked:
-            if len(freed) >= batch:
+            if freed >= batch:
                 break
-            if rec.key in freed or not rec.in_tier(DRAM):
+            if not rec.in_tier(DRAM):  # listed twice (clean and declined): freed already
                 continue
-            freed.add(rec.key)
+            freed += 1
             self._clear_tier(rec, DRAM)
             if is_clean:
                 self._bump("evict:dram:clean")

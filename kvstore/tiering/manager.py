@@ -123,7 +123,7 @@ class TierManager:
         ]
         if config.hbm == "engine":
             capacity[HBM] = config.hbm_bytes
-        self._value = Valuation(config, self.cost, self._compute, slot, capacity)
+        self._value = Valuation(config, self.cost, self._compute, slot, capacity[NVME])
         state = self._state = TierState(
             config,
             hbm=self._hbm,

@@ -68,10 +68,6 @@ class WritePayoff:
         at most 4 Mi (the ghosts' memory)."""
         return min(nvme_pages, 1 << 22)
 
-    @staticmethod
-    def class_of(seen: int) -> int:
-        return REUSED if seen > 1 else ONCE
-
     def has_ghosts(self) -> bool:
         return bool(self._ghosts)
 

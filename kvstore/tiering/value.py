@@ -30,7 +30,7 @@ class Valuation:
         cost: CostModel,
         compute: Compute,
         slot_bytes: int,
-        capacity: list[int] | None = None,
+        nvme_capacity: int = 0,
     ) -> None:
         self.config = config
         self.cost = cost
@@ -50,8 +50,8 @@ class Valuation:
         bar = config.nvme_write_payoff
         self.payoff: WritePayoff | None = None
         chosen = config.admission != "value_density" or config.placement == "write_through"
-        if bar is not None and capacity and capacity[NVME] > 0 and not chosen:
-            self.payoff = WritePayoff(bar, WritePayoff.horizon(capacity[NVME] // slot_bytes))
+        if bar is not None and nvme_capacity > 0 and not chosen:
+            self.payoff = WritePayoff(bar, WritePayoff.horizon(nvme_capacity // slot_bytes))
         self._payoff_changes = 0
 
     def invalidate(self) -> None:
