@@ -411,6 +411,23 @@ def render(document: Mapping[str, Any], console: Console) -> None:
     for note in notes:
         if note.against_peers is not None and peers:
             console.print(escape(kvstore_verdict(note)), highlight=False)
+    for result in results:
+        line = occupancy_line(result)
+        if line is not None:
+            console.print(escape(line), highlight=False)
+
+
+def occupancy_line(result: Mapping[str, Any]) -> str | None:
+    """How full a kvstore replay kept its tiers (``details.occupancy``), or None."""
+    occupancy = result.get("details", {}).get("occupancy")
+    if not occupancy:
+        return None
+    names = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe"}
+    shares = ", ".join(
+        f"{names.get(tier, tier)} {'-' if share is None else f'{share:.0%}'}"
+        for tier, share in occupancy.items()
+    )
+    return f"{result['policy']}'s tiers ran {shares} full (mean before each request's lookup)"
 
 
 # -- the suite ------------------------------------------------------------------

@@ -173,12 +173,21 @@ def simulate_kvstore(
     recompute_tokens = 0
     tpp = config.tokens_per_page
     keys_of: dict[int, bytes] = {}
+    # How full each tier runs, sampled before each lookup (free slots are capacity no
+    # policy uses: `details.occupancy`).
+    state = tm._state
+    hbm_pool, dram_pool = tm._hbm, tm._dram
+    nvme_pages = state.capacity[2] // state.slot_bytes if state.slot_bytes else 0
+    held = [0, 0, 0]
     try:
         with _batch_gc():
             for index, request in enumerate(requests):
                 if request.timestamp_s > clock.now():
                     clock.set(request.timestamp_s)
                 tm.step()
+                held[0] += hbm_pool.used_slots()
+                held[1] += dram_pool.used_slots()
+                held[2] += state.count[2]
                 keys = []
                 for block in request.blocks:
                     key = keys_of.get(block)
@@ -216,8 +225,22 @@ def simulate_kvstore(
             "tau": list(stats.tau),
             "kappa": list(stats.kappa),
             "thrash": stats.thrash,
+            "occupancy": _occupancy(
+                held, len(requests), (hbm_pool.slots, dram_pool.slots, nvme_pages)
+            ),
         },
     )
+
+
+def _occupancy(
+    held: Sequence[int], samples: int, capacity: Sequence[int]
+) -> dict[str, float | None]:
+    """Mean share of each tier's slots holding a page, before a request's lookup (None
+    for a tier with no capacity)."""
+    return {
+        name: (held[t] / samples / capacity[t]) if samples and capacity[t] else None
+        for t, name in enumerate(("hbm", "dram", "nvme"))
+    }
 
 
 def simulate_peer(

@@ -22,7 +22,12 @@ from click.testing import CliRunner, Result
 
 from kvstore.cli import main
 from kvstore.tiering.config import MODEL_PRESETS
-from kvstore.tiering.sim.cli import kvstore_verdict, parse_capacity, parse_capacity_bytes
+from kvstore.tiering.sim.cli import (
+    kvstore_verdict,
+    occupancy_line,
+    parse_capacity,
+    parse_capacity_bytes,
+)
 from kvstore.tiering.sim.peers import POLICIES
 from kvstore.tiering.sim.plots import FrontierNote, frontier_notes, pareto_frontier
 from kvstore.tiering.sim.trace import generate, load_trace, trace_facts, write_trace
@@ -131,6 +136,21 @@ def test_json_run_prints_the_table_on_stderr_with_the_frontier(full_run: Result)
             assert f"dominated by: {note.dominated_by[0]}" in row
     [kvstore] = [n for n in notes if n.policy == "kvstore"]
     assert kvstore_verdict(kvstore) in table
+
+
+def test_kvstore_reports_how_full_its_tiers_ran(full_run: Result) -> None:
+    """Mean share of each tier's slots holding a page before each lookup: in [0, 1],
+    HBM and DRAM filled by a trace with more unique blocks than they hold, printed
+    under the table as it is in the JSON."""
+    [kvstore] = [r for r in json_of(full_run)["results"] if r["policy"] == "kvstore"]
+    occupancy = kvstore["details"]["occupancy"]
+    assert set(occupancy) == {"hbm", "dram", "nvme"}
+    assert all(0.0 <= share <= 1.0 for share in occupancy.values())
+    assert occupancy["hbm"] > 0.5 and occupancy["dram"] > 0.5
+    assert occupancy_line(kvstore) in full_run.stderr
+    assert f"DRAM {occupancy['dram']:.0%}" in full_run.stderr
+    peer = json_of(full_run)["results"][0]
+    assert occupancy_line(peer) is None  # a peer model reports none
 
 
 def test_generated_trace_saved_with_out_replays_the_same(tmp_path: Path) -> None:
