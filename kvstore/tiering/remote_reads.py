@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +79,8 @@ class _Chunk:
     items: list[tuple[bytes, int, int, int]]
     direct: bool = False  # read without a size query: an absent page ends the run
     polled: bool = False
+    read_s: float = 0.0  # the backend's call, on the worker
+    verify_s: float = 0.0  # the checks of what it returned, on the worker
 
 
 class RemoteReads:
@@ -111,6 +113,9 @@ class RemoteReads:
     _from_remote: OrderedDict[bytes, None]
     _last_explore: float
     _data: RemoteLink
+    # The latest reads that returned: (pages, seconds queued, seconds reading,
+    # seconds verifying), for ``read_timings``.
+    _timings: deque[tuple[int, float, float, float]]
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -288,20 +293,20 @@ class RemoteReads:
         fetch.items = items
         for at in range(0, len(items), _READ_CHUNK):
             chunk = _Chunk(fetch, items[at : at + _READ_CHUNK], direct=direct)
-            job = self._data.submit(
-                "get", self._reader(chunk.items, direct), self._deadline_s, chunk
-            )
+            job = self._data.submit("get", self._reader(chunk, direct), self._deadline_s, chunk)
             job.nbytes = sum(_HDR + n for _, _, _, n in chunk.items)
             fetch.chunks.append(job)
 
     def _reader(
-        self, items: list[tuple[bytes, int, int, int]], direct: bool
+        self, chunk: _Chunk, direct: bool
     ) -> Callable[[], list[tuple[RemotePage | None, str]]]:
         """The call that reads ``items`` into their slots and verifies each (a worker
         runs it: the checksums too stay off the manager's lock). ``direct``: each
         item's size is its slot's, the most the value may be (``read_into``); else
         the value's exact size, from a size query (``get_into``). Verified in place:
-        the header block and the payload's bytes as they landed in the slot."""
+        the header block and the payload's bytes as they landed in the slot. The
+        chunk keeps how long the call and the checks took."""
+        items = chunk.items
         names = [remote_key(self.namespace, k) for k, _, _, _ in items]
         encoded = [name.encode() for name in names]
         views = [self._dram.view(slot, n) for _, slot, _, n in items]
@@ -313,7 +318,10 @@ class RemoteReads:
         backend, namespace, limit = self._backend, self.namespace, self.config.page_bytes
 
         def read() -> list[tuple[RemotePage | None, str]]:
+            started = time.perf_counter()
             got = backend.read_into(names, parts) if direct else backend.get_into(names, parts)
+            read_at = time.perf_counter()
+            chunk.read_s = read_at - started
             out: list[tuple[RemotePage | None, str]] = []
             # The values whose size passes are verified in one pass, then slotted in.
             check: list[int] = []
@@ -337,6 +345,7 @@ class RemoteReads:
                 )
                 for at, page in zip(check, verified, strict=True):
                     out[at] = (None, page) if isinstance(page, str) else (page, "")
+            chunk.verify_s = time.perf_counter() - read_at
             return out
 
         return read
@@ -349,7 +358,17 @@ class RemoteReads:
                 self._free_headers.append(header)
             return
         chunk.polled = True
+        if job.started_s is not None:
+            self._timings.append(
+                (len(chunk.items), job.started_s - job.submitted_s, chunk.read_s, chunk.verify_s)
+            )
         self._advance(chunk.fetch, now)
+
+    def read_timings(self) -> list[tuple[int, float, float, float]]:
+        """The latest reads that returned (at most 256), oldest first: pages, and the
+        seconds each spent queued for a worker, in the backend's call, and verifying
+        (``tools/bench_remote.py`` splits a round with them)."""
+        return list(self._timings)
 
     def _advance(self, fetch: _Fetch, now: float) -> None:
         """Admit the chunks of a fetch in order (a page's parent is the page before it),

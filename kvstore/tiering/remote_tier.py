@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +95,7 @@ class RemoteTier(RemoteReads):
         self._free_headers = list(range(headers - 1, -1, -1))
         self._headers_at = int(self._headers.ctypes.data)
         self._fetching: set[bytes] = set()
+        self._timings = deque(maxlen=256)
         self._present = 0.0  # share of asked pages the cluster held, lately
         self._missed: dict[bytes, float] = {}  # key -> when it may be asked again
         self._published: OrderedDict[bytes, None] = OrderedDict()

@@ -111,6 +111,26 @@ def test_a_page_offered_on_a_is_loaded_bit_exact_on_b(cluster: str) -> None:
         assert _fetch(c, keys) == 0
 
 
+def test_read_timings_split_a_read_into_queue_call_and_checks(cluster: str) -> None:
+    keys, srcs = _pages("t", 24, 3)
+    with TierManager.open(_config(cluster)) as a, TierManager.open(_config(cluster)) as b:
+        _until(a, lambda: _up(a) and _up(b))
+        assert a.offer(keys, srcs).admitted == 24
+        _until(a, lambda: a.stats().remote["published"] == 24)
+        assert b._remote is not None and b._remote.read_timings() == []
+        c = memory_cluster(cluster)
+        c.hang.set()  # the read blocks in the backend's call until released
+        assert b.lookup(keys).remote_pending == 24
+        time.sleep(0.1)
+        c.hang.clear()
+        c.release.set()
+        assert _fetch(b, keys) == 24
+        [(pages, queued, read, verify)] = b._remote.read_timings()
+        assert pages == 24
+        assert read >= 0.1 and 0 < verify < read  # the call held it, not the checks
+        assert 0 <= queued < 0.1
+
+
 def _publish_raw(cluster: str, key: bytes, payload: bytes, *, corrupt: bool) -> None:
     head = bytearray(4096)
     encode_remote_header_into(
