@@ -144,34 +144,30 @@ class Loads:
         # above it count.
         n_keys = len(keys)
         count = 0.0
-        if self._state.orders_track_touches or ctx.deadline_s is not None:
-            touch = self._state.touch
-            for i in range(len(hit_recs) - 1, -1, -1):
-                rec = hit_recs[i]
-                following = keys[i + 1] if i + 1 < n_keys else None
-                if not count and rec.next_key is not None and following != rec.next_key:
-                    count = 1.0
-                rec.next_key = following
+        # ARC moves a page at its access, and a deadline is stamped: TierState.touch.
+        full_touch = self._state.orders_track_touches or ctx.deadline_s is not None
+        touch = self._state.touch
+        decay = self._state.decay_per_s
+        exp = math.exp
+        last_age, factor = -1.0, 1.0  # a prefix's pages mostly share one age
+        for i in range(len(hit_recs) - 1, -1, -1):
+            rec = hit_recs[i]
+            following = keys[i + 1] if i + 1 < n_keys else None
+            if not count and rec.next_key is not None and following != rec.next_key:
+                count = 1.0
+            rec.next_key = following
+            if full_touch:
                 touch(rec, now, ctx.deadline_s, count)
-        else:
-            decay = self._state.decay_per_s
-            exp = math.exp
-            last_age, factor = -1.0, 1.0  # a prefix's pages mostly share one age
-            for i in range(len(hit_recs) - 1, -1, -1):
-                rec = hit_recs[i]
-                following = keys[i + 1] if i + 1 < n_keys else None
-                if not count and rec.next_key is not None and following != rec.next_key:
-                    count = 1.0
-                rec.next_key = following
-                age = now - rec.last_access_s
-                if age > 0:
-                    if age != last_age:
-                        last_age, factor = age, exp(-decay * age)
-                    rec.hits = rec.hits * factor + count
-                else:
-                    rec.hits = rec.hits + count
-                rec.last_access_s = now
-                rec.reused = True
+                continue
+            age = now - rec.last_access_s
+            if age > 0:
+                if age != last_age:
+                    last_age, factor = age, exp(-decay * age)
+                rec.hits = rec.hits * factor + count
+            else:
+                rec.hits = rec.hits + count
+            rec.last_access_s = now
+            rec.reused = True
         total = tokens if tokens is not None else ctx.tokens
         if total is None:
             total = len(keys) * self.config.tokens_per_page
