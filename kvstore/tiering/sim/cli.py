@@ -67,7 +67,7 @@ from kvstore.tiering.sim.cluster import (
     cluster_replays,
     run_cluster,
 )
-from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.peers import PEER_MODELS_VERSION, POLICIES
 from kvstore.tiering.sim.plots import (
     FrontierNote,
     frontier_notes,
@@ -88,6 +88,7 @@ from kvstore.tiering.sim.suite import (
     by_workload,
     capacity_text,
     parse_seeds,
+    peer_results,
     run_label,
     run_suite,
     suite_cases,
@@ -487,6 +488,13 @@ def render_suite(runs: Sequence[SuiteRun], header: Mapping[str, Any], console: C
         f"(c) NVMe writes {by_target['nvme_writes']}/{n}; {header['wall_s']:.1f} s",
         highlight=False,
     )
+    source = header["suite"].get("peers_from")
+    if source is not None:
+        console.print(
+            f"peers' results reused from {escape(source)} in {totals['peers_reused']} of "
+            f"{totals['runs']} runs (the others replayed the peers)",
+            highlight=False,
+        )
     if seeds["split"] == "holdout":
         console.print(
             "held-out seeds: judge a policy on these, never tune on them "
@@ -527,6 +535,24 @@ def _write_suite_outputs(runs: Sequence[SuiteRun], document: Mapping[str, Any], 
         raise _OperationalError(f"cannot write to {out}: {e.strerror or e}") from e
 
 
+def _saved_peers(path: Path, model_name: str, block_tokens: int) -> Any:
+    """``--peers-from``: an earlier suite's peer results; a file that cannot be read is
+    an operational error (exit 8), one that is no suite of these settings a bad option."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise _OperationalError(f"cannot read --peers-from {path}: {reason}") from e
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--peers-from {path}: not JSON ({e})") from e
+    try:
+        return peer_results(document, model=model_name, block_tokens=block_tokens)
+    except ValueError as e:
+        raise ValueError(f"--peers-from {path}: {e}") from e
+
+
 def _given(name: str) -> bool:
     source = click.get_current_context().get_parameter_source(name)
     return source not in (None, ParameterSource.DEFAULT)
@@ -547,6 +573,7 @@ def _run_suite_command(
     model: ModelCost,
     block_tokens: int,
     machine: Machine,
+    peers_from: Path | None,
 ) -> tuple[list[SuiteRun], dict[str, Any]]:
     for option, name in (
         ("--generate", "kind"),
@@ -583,6 +610,7 @@ def _run_suite_command(
             load_trace(trace_path, limit=limit)
         except OSError as e:
             raise _OperationalError(f"cannot read trace {trace_path}: {e.strerror or e}") from e
+    reuse = None if peers_from is None else _saved_peers(peers_from, model_name, block_tokens)
     cases = suite_cases(
         chosen_kinds, seeds, capacities, traces=traces, requests=request_count, limit=limit
     )
@@ -602,6 +630,7 @@ def _run_suite_command(
             variants=variants,
             jobs=jobs,
             progress=on_progress,
+            reuse=reuse,
         )
         progress.update(task, completed=total)
     document: dict[str, Any] = {
@@ -619,6 +648,8 @@ def _run_suite_command(
             },
             "model": model_name,
             "block_tokens": block_tokens,
+            "peer_models": PEER_MODELS_VERSION,
+            "peers_from": None if peers_from is None else str(peers_from),
             "jobs": jobs,
         },
         "summary": summary(runs),
@@ -941,6 +972,14 @@ def _console(stderr: bool) -> Console:
     help="A workload kind of --suite (repeatable) [default: all].",
 )
 @click.option(
+    "--peers-from",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="With --suite: the peers' results of an earlier suite (its --json output or "
+    "suite.json) where a run is the same (trace, capacities, machine): only kvstore's "
+    "policies are replayed there.",
+)
+@click.option(
     "--jobs",
     default=1,
     show_default=True,
@@ -1014,6 +1053,7 @@ def sim(
     suite: bool,
     seeds_text: str | None,
     kinds: tuple[str, ...],
+    peers_from: Path | None,
     jobs: int,
     nodes_text: str | None,
     routings: tuple[str, ...],
@@ -1086,12 +1126,14 @@ def sim(
                 model=model,
                 block_tokens=block_tokens,
                 machine=machine,
+                peers_from=peers_from,
             )
         else:
             for option, name in (
                 ("--seeds", "seeds_text"),
                 ("--kind", "kinds"),
                 ("--jobs", "jobs"),
+                ("--peers-from", "peers_from"),
             ):
                 if _given(name):
                     raise ValueError(f"{option} is an option of --suite")

@@ -36,6 +36,7 @@ from typing import ClassVar
 from kvstore.tiering.sim.trace import Request
 
 __all__ = [
+    "PEER_MODELS_VERSION",
     "POLICIES",
     "PeerPolicy",
     "PeerResult",
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 HBM, DRAM, NVME = 0, 1, 2
+# Raised whenever a peer model's decisions change: a suite's saved peer results
+# (``kvstore sim --suite --peers-from``) are reused only under the same version.
+PEER_MODELS_VERSION = 1
 
 
 class _LRU:

@@ -21,6 +21,12 @@ replay is deterministic, so a run's verdict repeats exactly.
 The replays run one after another by default (``jobs=1``); ``jobs`` > 1 runs the
 (workload, seed) groups in that many processes. The results are the same either
 way and come back in the same order.
+
+A peer's results depend on the trace, the capacities and the machine, never on
+kvstore's settings: ``peer_results`` reads them from an earlier suite's document
+so that judging another kvstore variant replays only kvstore (``reuse``). A run
+reuses them only where its trace facts, capacities and machine are the earlier
+run's; any other run replays the peers as well.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.tiering.config import ModelCost
-from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.peers import PEER_MODELS_VERSION, POLICIES
 from kvstore.tiering.sim.plots import REFERENCE_POLICIES, is_kvstore
 from kvstore.tiering.sim.replay import Machine, run
 from kvstore.tiering.sim.trace import ALL_KINDS, Request, generate, load_trace
@@ -52,6 +58,7 @@ __all__ = [
     "capacity_text",
     "judge",
     "parse_seeds",
+    "peer_results",
     "run_label",
     "run_suite",
     "suite_cases",
@@ -257,6 +264,65 @@ class _Settings:
     variants: tuple[str, ...]
 
 
+# A run's peer results are reused only where these fields of ``run``'s document match
+# (the trace's identity and size, the capacities in blocks, the modelled machine).
+_SAME_RUN = (
+    "trace",
+    "requests",
+    "block_accesses",
+    "unique_blocks",
+    "max_hit_ratio",
+    "capacity_blocks",
+    "machine",
+)
+# (workload, seed) -> capacity triple -> an earlier run's document
+SavedRuns = dict[tuple[str, int | None], dict[tuple[float, float, float], dict[str, Any]]]
+
+
+def peer_results(document: Any, *, model: str, block_tokens: int) -> SavedRuns:
+    """The peers' results of an earlier suite (its ``--json`` document or ``suite.json``),
+    by run. Raises ValueError, naming the problem, for a document that is not a suite's,
+    or whose model, block size or peer models differ from this suite's (their results
+    would not be this suite's)."""
+    if not isinstance(document, dict) or not isinstance(document.get("suite"), dict):
+        raise ValueError('not the JSON of a kvstore sim --suite run (no "suite" header)')
+    header = document["suite"]
+    version = header.get("peer_models")
+    if version != PEER_MODELS_VERSION:
+        raise ValueError(
+            f"its peer models are version {version} (this kvstore's: {PEER_MODELS_VERSION}); "
+            "their results would not be this version's"
+        )
+    for key, mine in (("model", model), ("block_tokens", block_tokens)):
+        if header.get(key) != mine:
+            raise ValueError(f"it was run with {key} {header.get(key)!r}, this suite with {mine!r}")
+    runs = document.get("runs")
+    if not isinstance(runs, list):
+        raise ValueError('its "runs" is not a list')
+    saved: SavedRuns = {}
+    for index, entry in enumerate(runs):
+        try:
+            workload, seed = str(entry["workload"]), entry["seed"]
+            capacity = tuple(float(c) for c in entry["capacity"])
+            results = entry["results"]
+            names = {r["policy"] for r in results}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"runs[{index}] is not a suite run: {e!r}") from e
+        if len(capacity) != 3 or not set(POLICIES) <= names:
+            continue  # not a whole run: its peers are replayed
+        triple = (capacity[0], capacity[1], capacity[2])
+        saved.setdefault((workload, seed if isinstance(seed, int) else None), {})[triple] = entry
+    return saved
+
+
+def _reused_peers(saved: Mapping[str, Any] | None, fresh: Mapping[str, Any]) -> list[Any] | None:
+    """The saved run's peer results where it is the same run as ``fresh``; else None."""
+    if saved is None or any(saved.get(key) != fresh[key] for key in _SAME_RUN):
+        return None
+    by_name = {r["policy"]: r for r in saved["results"]}
+    return [by_name[name] for name in POLICIES]
+
+
 @dataclass(slots=True)
 class SuiteRun:
     """One replay of the suite: ``run``'s document, and a verdict per kvstore variant."""
@@ -266,6 +332,7 @@ class SuiteRun:
     capacity: tuple[float, float, float]
     document: dict[str, Any]
     verdicts: list[Verdict] = field(default_factory=list)
+    peers_reused: bool = False  # the peers' results came from an earlier suite
 
     @property
     def passed(self) -> bool:
@@ -278,6 +345,7 @@ class SuiteRun:
             "capacity": list(self.capacity),
             "passed": self.passed,
             "verdicts": [v.to_json() for v in self.verdicts],
+            "peers_reused": self.peers_reused,
             **self.document,
         }
 
@@ -294,26 +362,38 @@ def run_label(workload: str, seed: int | None, capacity: Sequence[float]) -> str
 
 
 def _run_case(
-    case: SuiteCase, settings: _Settings, on_run: Callable[[str], None] | None = None
+    case: SuiteCase,
+    settings: _Settings,
+    on_run: Callable[[str], None] | None = None,
+    saved: Mapping[tuple[float, float, float], Mapping[str, Any]] | None = None,
 ) -> list[SuiteRun]:
     requests = case.load(settings.block_tokens)
     name = case.trace_name(requests)
-    policies = [*POLICIES, *settings.variants]
     runs = []
     for capacity in case.capacities:
         if on_run is not None:
             on_run(run_label(case.workload, case.seed, capacity))
-        document = run(
-            requests,
-            capacity_fractions=capacity,
-            model=settings.model,
-            block_tokens=settings.block_tokens,
-            machine=settings.machine,
-            policies=policies,
-            trace_name=name,
-        )
+
+        def replay(policies: Sequence[str], capacity: tuple[float, float, float] = capacity) -> Any:
+            return run(
+                requests,
+                capacity_fractions=capacity,
+                model=settings.model,
+                block_tokens=settings.block_tokens,
+                machine=settings.machine,
+                policies=policies,
+                trace_name=name,
+            )
+
+        # kvstore first: its document says whether an earlier run's peers are this one's.
+        document = replay(settings.variants)
+        peers = _reused_peers(None if saved is None else saved.get(capacity), document)
+        reused = peers is not None
+        if peers is None:
+            peers = replay(list(POLICIES))["results"]
+        document["results"] = [*peers, *document["results"]]
         verdicts = [judge(document["results"], variant) for variant in settings.variants]
-        runs.append(SuiteRun(case.workload, case.seed, capacity, document, verdicts))
+        runs.append(SuiteRun(case.workload, case.seed, capacity, document, verdicts, reused))
     return runs
 
 
@@ -326,11 +406,14 @@ def run_suite(
     variants: Sequence[str] = ("kvstore",),
     jobs: int = 1,
     progress: Callable[[str, int], None] | None = None,
+    reuse: SavedRuns | None = None,
 ) -> list[SuiteRun]:
     """Replay every case at each of its capacity triples; runs in the cases' order.
 
     ``progress(label, done)`` is called as each replay starts (``jobs`` = 1) or as
     each case's replays end (``jobs`` > 1), ``done`` the replays finished so far.
+    ``reuse`` (``peer_results``): an earlier suite's runs, whose peer results stand
+    in for replaying the peers where a run is the same.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
@@ -346,11 +429,18 @@ def run_suite(
                 progress(label, done[0])
             done[0] += 1
 
-        return [run for case in cases for run in _run_case(case, settings, on_run)]
+        return [
+            run
+            for case in cases
+            for run in _run_case(case, settings, on_run, _saved_for(reuse, case))
+        ]
     out: list[list[SuiteRun]] = [[] for _ in cases]
     finished = 0
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_run_case, case, settings): i for i, case in enumerate(cases)}
+        futures = {
+            pool.submit(_run_case, case, settings, None, _saved_for(reuse, case)): i
+            for i, case in enumerate(cases)
+        }
         for future in concurrent.futures.as_completed(futures):
             index = futures[future]
             out[index] = future.result()
@@ -362,12 +452,19 @@ def run_suite(
     return [run for runs in out for run in runs]
 
 
+def _saved_for(
+    reuse: SavedRuns | None, case: SuiteCase
+) -> dict[tuple[float, float, float], dict[str, Any]] | None:
+    return None if reuse is None else reuse.get((case.workload, case.seed))
+
+
 def summary(runs: Sequence[SuiteRun]) -> dict[str, Any]:
-    """Runs and verdicts met, per target and in all."""
+    """Runs and verdicts met, per target and in all; runs whose peers were reused."""
     verdicts = [v for r in runs for v in r.verdicts]
     return {
         "runs": len(runs),
         "passed": sum(r.passed for r in runs),
+        "peers_reused": sum(r.peers_reused for r in runs),
         "verdicts": len(verdicts),
         "by_target": {
             target: sum(getattr(v, target).passed for v in verdicts)

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from kvstore.cli import main
-from kvstore.tiering.sim.peers import POLICIES
+from kvstore.tiering.sim.peers import PEER_MODELS_VERSION, POLICIES
 from kvstore.tiering.sim.suite import (
     HIT_SLACK,
     SEED_SPLITS,
@@ -251,4 +251,86 @@ def test_suite_unreadable_trace_or_out_exits_8(tmp_path: Path) -> None:
     blocker.write_text("x")
     result = sim("--suite", "--kind", "system-prompts", *TINY, "--out", str(blocker))
     assert result.exit_code == 8 and "a-file" in result.stderr
+    assert "Traceback" not in result.output
+
+
+# -- --peers-from: an earlier suite's peer results stand in for replaying the peers ---------
+
+
+def test_peers_from_takes_the_saved_peer_results_and_replays_only_kvstore(
+    tiny: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    result, trace, out = tiny
+    saved = json.loads((out / "suite.json").read_text())
+    assert saved["suite"]["peer_models"] == PEER_MODELS_VERSION
+    assert saved["summary"]["peers_reused"] == 0
+    # Doctor one peer's hit ratio in the saved runs: a run that reused them shows it.
+    doctored = tmp_path / "saved.json"
+    for r in saved["runs"]:
+        next(x for x in r["results"] if x["policy"] == "dynamo")["hit_ratio"] = 0.987
+    doctored.write_text(json.dumps(saved))
+    kinds = ["--kind", "agent", "--kind", "long-prompts"]
+    again = sim("--suite", str(trace), *kinds, *TINY, "--json", "--peers-from", str(doctored))
+    assert again.exit_code == 0, again.output
+    document = json.loads(again.stdout)
+    assert document["suite"]["peers_from"] == str(doctored)
+    assert document["summary"]["peers_reused"] == 3
+    before = json.loads(result.stdout)["runs"]
+    for old, new in zip(before, document["runs"], strict=True):
+        assert new["peers_reused"] is True
+        names = [x["policy"] for x in new["results"]]
+        assert names == [*POLICIES, "kvstore"]
+        dynamo = next(x for x in new["results"] if x["policy"] == "dynamo")
+        assert dynamo["hit_ratio"] == 0.987
+        # kvstore replayed: the same decisions as in the first suite
+        mine = {k: v for k, v in new["results"][-1].items() if k != "wall_s"}
+        assert mine == {k: v for k, v in old["results"][-1].items() if k != "wall_s"}
+        assert new["verdicts"] == [judge(new["results"]).to_json()]
+    assert "reused from" in again.stderr and "in 3 of 3 runs" in again.stderr
+
+
+def test_peers_from_replays_the_peers_of_a_run_that_is_not_the_same(
+    tiny: tuple[Result, Path, Path],
+) -> None:
+    _, _, out = tiny
+    # 30 requests instead of 40: another trace, so the peers are replayed.
+    args = ["--suite", "--kind", "agent", "--seeds", "1", "--requests", "30"]
+    fresh = sim(*args, "--capacity", "0.05,0.2,0.5", "--json")
+    reused = sim(
+        *args, "--capacity", "0.05,0.2,0.5", "--json", "--peers-from", str(out / "suite.json")
+    )
+    assert fresh.exit_code == 0 and reused.exit_code == 0, fresh.output + reused.output
+    [a], [b] = json.loads(fresh.stdout)["runs"], json.loads(reused.stdout)["runs"]
+    assert b["peers_reused"] is False
+    assert [x["hit_ratio"] for x in a["results"]] == [x["hit_ratio"] for x in b["results"]]
+    assert "in 0 of 1 runs" in reused.stderr
+
+
+def test_peers_from_a_file_that_is_not_this_suites_exits_2_and_unreadable_8(
+    tiny: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    _, _, out = tiny
+    saved = json.loads((out / "suite.json").read_text())
+    cases: list[tuple[Any, str]] = [
+        ({**saved, "suite": {**saved["suite"], "model": "qwen"}}, "model"),
+        ({**saved, "suite": {**saved["suite"], "block_tokens": 16}}, "block_tokens"),
+        ({**saved, "suite": {**saved["suite"], "peer_models": 0}}, "peer models are version 0"),
+        ({"runs": []}, 'no "suite" header'),
+        ({**saved, "runs": [{"workload": "agent"}]}, "runs[0] is not a suite run"),
+    ]
+    base = ["--suite", "--kind", "agent", *TINY, "--json", "--peers-from"]
+    for index, (document, named) in enumerate(cases):
+        path = tmp_path / f"bad{index}.json"
+        path.write_text(json.dumps(document))
+        result = sim(*base, str(path))
+        assert result.exit_code == 2, result.output
+        assert named in json.loads(result.stdout)["error"]["message"]
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    result = sim(*base, str(garbage))
+    assert result.exit_code == 2 and "not JSON" in result.output
+    result = sim(*base, str(tmp_path / "missing.json"))
+    assert result.exit_code == 8 and "missing.json" in result.output
+    result = sim("--generate", "agent", "--peers-from", str(garbage), "--json")
+    assert result.exit_code == 2 and "--peers-from is an option of --suite" in result.output
     assert "Traceback" not in result.output
