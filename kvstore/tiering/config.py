@@ -169,6 +169,10 @@ class TierConfig:
     # Φ = w1·recency + w2·log1p(hits) + w3·recompute-per-byte − w4·SLO deficit.
     phi_weights: tuple[float, float, float, float] = (1.0, 1.0, 0.0, 1.0)
     recency_scale_s: float = 60.0  # one unit of recency per this many seconds of age
+    # Φ's probation term for a page not yet reused: + w·ln p(reuse) of its class (the
+    # reuse estimator's, by depth and tag), so pages of classes that seldom come back
+    # rank below those of classes that do. 0: off. Chosen by `kvstore sim --suite`.
+    phi_reuse_weight: float = 1.0
     hit_half_life_s: float = 600.0  # decayed hit counts halve in this time
     hysteresis_s: float = 1.0
     watermark_warn: float = 0.90
@@ -261,7 +265,13 @@ class TierConfig:
             value = getattr(self, name)
             if not (_finite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("hysteresis_s", "persist_stats_s", "control_interval_s", "tau_initial"):
+        for name in (
+            "hysteresis_s",
+            "persist_stats_s",
+            "control_interval_s",
+            "tau_initial",
+            "phi_reuse_weight",
+        ):
             value = getattr(self, name)
             if not (_finite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -132,6 +132,7 @@ class TierManager:
             slot_bytes=slot,
             capacity=capacity,
             cost_ratio=self._value.cost_ratio,
+            reuse_p=self._value.reuse.p_first,
         )
         # White-box names the tests and harnesses read (under the lock).
         self._pages, self._orders, self._counters = state.pages, state.orders, state.counters

@@ -184,6 +184,10 @@ class ReuseEstimator:
         stats[1] *= _COUNT_DECAY
         stats[0 if reused else 1] += 1.0
 
+    def p_first(self, rec: PageRec) -> float:
+        """p(reuse) of a page seen once so far: its class's (depth, not reused, tag)."""
+        return self.p(rec.depth, False, rec.tag)
+
     def p(self, depth: int, reused: bool, tag: str) -> float:
         bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
         stats = self._classes.get((bucket, reused, tag))  # depth_bucket, by its table
@@ -316,18 +320,23 @@ class EvictionOrder(Protocol):
 
 # Far below any gap between two requests' access times, far above float rounding.
 _DEPTH_TIE_S = 1e-6
+# The least p(reuse) Φ's probation term takes (ln 1e-6 ≈ −13.8: a bound, not a rank).
+_P_FLOOR = 1e-6
 
 
 class PhiOrder:
     """Φ lowest first, in a lazy heap.
 
     Φ_i = w1·Recency + w2·log1p(decayed hits) + w3·T_recompute/M_KV − w4·SLO_deficit
-    (docs/tiering.md, "Eviction and placement"), the hits term for shared pages only
-    (``PageRec.shared``). Recency is ``last_access_s / recency_scale_s``: a linear decay in
-    time, so Φ of an untouched page falls by the same amount for every page and the
-    heap's order stays valid between touches. A touch only raises a page's Φ, so an
-    entry is re-filed lazily: when it reaches the head with a Φ below its page's
-    current one. Hits, cost and deficit are read when the entry is (re-)filed.
+    + w_p·ln p(reuse) (docs/tiering.md, "Eviction and placement"), the hits term for
+    shared pages only (``PageRec.shared``), the last for pages not yet reused
+    (``PageRec.reused`` False; ``reuse_p``: the reuse estimator's p for the page's
+    class). Recency is ``last_access_s / recency_scale_s``: a linear decay in time, so
+    Φ of an untouched page falls by the same amount for every page and the heap's
+    order stays valid between touches. A touch only raises a page's Φ, so an entry is
+    re-filed lazily: when it reaches the head with a Φ below its page's current one.
+    Hits, cost, deficit and p(reuse) are read when the entry is (re-)filed (a class's
+    p that falls later leaves its filed pages where they were until they are re-filed).
 
     The heap holds bare floats, each filed Φ unique (``_at`` maps it to its page): a
     float compares several times faster than a (Φ, seq, page) tuple, and the pops are
@@ -342,10 +351,15 @@ class PhiOrder:
         weights: tuple[float, float, float, float],
         recency_scale_s: float,
         cost_ratio: Callable[[PageRec], float],
+        reuse_weight: float = 0.0,
+        reuse_p: Callable[[PageRec], float] | None = None,
     ) -> None:
         self._w = weights
         self._scale = recency_scale_s
         self._cost_ratio = cost_ratio
+        # Probation: a page not yet reused ranks lower by w_p·ln p(reuse) of its class.
+        self._wp = reuse_weight if reuse_p is not None else 0.0
+        self._reuse_p = reuse_p
         self._heap: list[float] = []
         # Every filed Φ still in the heap or pending -> its page. An entry is
         # live while its page's ``_member`` value is that Φ; a stale one is dropped
@@ -394,6 +408,9 @@ class PhiOrder:
             phi += w3 * (ratio if ratio >= 0 else self._cost_ratio(rec))
         if w4 and rec.deadline_s is not None and rec.last_access_s > rec.deadline_s:
             phi -= w4 * (rec.last_access_s - rec.deadline_s) / self._scale
+        if self._wp and not rec.reused:
+            assert self._reuse_p is not None
+            phi += self._wp * math.log(max(self._reuse_p(rec), _P_FLOOR))
         return phi
 
     def _fast_score(self) -> Callable[[PageRec], float] | None:
@@ -406,8 +423,9 @@ class PhiOrder:
         if w3:
             return None
         scale = self._scale
-        log1p = math.log1p
+        log1p, log = math.log1p, math.log
         tie = _DEPTH_TIE_S
+        wp, reuse_p, floor = self._wp, self._reuse_p, _P_FLOOR
 
         def fast(rec: PageRec) -> float:
             last = rec.last_access_s
@@ -418,6 +436,8 @@ class PhiOrder:
                 deadline = rec.deadline_s
                 if deadline is not None and last > deadline:
                     phi -= w4 * (last - deadline) / scale
+            if wp and not rec.reused:
+                phi += wp * log(max(reuse_p(rec), floor))  # type: ignore[misc]
             return phi
 
         return fast
@@ -619,11 +639,13 @@ def make_order(
     weights: tuple[float, float, float, float],
     recency_scale_s: float,
     cost_ratio: Callable[[PageRec], float],
+    reuse_weight: float = 0.0,
+    reuse_p: Callable[[PageRec], float] | None = None,
 ) -> EvictionOrder:
     if name == "lru":
         return LRUOrder()
     if name == "arc":
         return ARCOrder()
     if name == "phi":
-        return PhiOrder(weights, recency_scale_s, cost_ratio)
+        return PhiOrder(weights, recency_scale_s, cost_ratio, reuse_weight, reuse_p)
     raise ValueError(f"unknown eviction policy {name!r}; known: phi, lru, arc")

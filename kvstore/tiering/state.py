@@ -42,10 +42,16 @@ class TierState:
         slot_bytes: int,
         capacity: list[int],
         cost_ratio: Callable[[PageRec], float],
+        reuse_p: Callable[[PageRec], float] | None = None,
     ) -> None:
         def order() -> EvictionOrder:
             return make_order(
-                config.eviction, config.phi_weights, config.recency_scale_s, cost_ratio
+                config.eviction,
+                config.phi_weights,
+                config.recency_scale_s,
+                cost_ratio,
+                config.phi_reuse_weight,
+                reuse_p,
             )
 
         self.pages: dict[bytes, PageRec] = {}

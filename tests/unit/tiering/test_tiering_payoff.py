@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from kvstore.tiering import TierConfig, TierManager
+from kvstore.tiering.pages import PageRec
 from kvstore.tiering.payoff import ONCE, REUSED, WritePayoff
 from tests.unit.tiering.test_tiering_manager import SLOT, keys, load_all, page
 from tests.unit.tiering.test_tiering_manager import config as manager_config
@@ -246,3 +249,32 @@ def test_a_sim_policy_turns_the_gate_off_with_none() -> None:
     assert parse_overrides("kvstore:nvme_write_payoff=0.02") == {"nvme_write_payoff": 0.02}
     with pytest.raises(ValueError):  # a field that takes no None keeps refusing it
         parse_overrides("kvstore:hysteresis_s=none")
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+def test_the_managers_orders_rank_pages_seen_once_by_the_reuse_estimators_class(
+    tmp_path: Path, weight: float
+) -> None:
+    """Φ's probation term is wired to the manager's own reuse estimator (the classes the
+    lookups and offers teach it), in every order; phi_reuse_weight=0 turns it off."""
+    with TierManager.open(_manager_config(tmp_path, phi_reuse_weight=weight)) as tm:
+        probe = PageRec(b"probe", None, 3, 256, SLOT, 120.0)
+        probe.tag = "t"
+        for _ in range(6):  # teach class (depth 3, tag t): seen once, then again
+            key = os.urandom(8)
+            tm._reuse.access(key, 3, "t", lookup=False)
+            tm._reuse.access(key, 3, "t", lookup=True)
+        p = tm._reuse.p_first(probe)
+        assert p > 0.25  # moved off the prior
+        for order in tm._orders:
+            base = 120.0 / 60.0 - 3e-6 / 60.0  # recency, the depth tie
+            assert order.score(probe) == pytest.approx(base + weight * math.log(p))  # type: ignore[attr-defined]
+            probe.reused = True
+            assert order.score(probe) == pytest.approx(base)  # type: ignore[attr-defined]
+            probe.reused = False
+
+
+@pytest.mark.parametrize("weight", [-0.5, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_probation_weight_is_refused(weight: float) -> None:
+    with pytest.raises(ValueError, match="phi_reuse_weight"):
+        TierConfig(phi_reuse_weight=weight)

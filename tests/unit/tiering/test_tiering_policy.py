@@ -68,6 +68,63 @@ def test_phi_hits_count_only_for_shared_pages() -> None:
     assert take_all(order) == ["chain-hot", "new-cold", "shared-hot"]
 
 
+@pytest.mark.parametrize("cost_term", [0.0, 1.0])  # 0: the fast closure; 1: score()
+def test_phi_probation_ranks_pages_not_yet_reused_by_their_class(cost_term: float) -> None:
+    """w_p·ln p(reuse): a page seen once ranks by its class's chance to come back. At
+    p = 0.05 and 60 s of recency per unit, ln 0.05 ≈ -3 is three minutes older; a
+    reused page (or weight 0, or no estimator) takes no penalty."""
+    p_of = {"scan": 0.05, "turn": 0.9}
+
+    def reuse_p(page: PageRec) -> float:
+        return p_of[page.tag]
+
+    def pages() -> list[PageRec]:
+        out = []
+        for name, last, tag, reused in (
+            ("scan-new", 150.0, "scan", False),  # seen once, 150 s newer than the rest
+            ("turn-new", 100.0, "turn", False),
+            ("scan-reused", 0.0, "scan", True),
+        ):
+            page = rec(name, last=last, shared=False)
+            page.tag, page.reused = tag, reused
+            out.append(page)
+        return out
+
+    weights = (1.0, 0.0, cost_term, 0.0)
+    order = PhiOrder(weights, 60.0, lambda r: 0.0, 1.0, reuse_p)
+    for page in pages():
+        order.add(page)
+    # scan-new: 2.5 - 3.0 = -0.5; scan-reused: 0; turn-new: 1.67 - 0.11
+    assert take_all(order) == ["scan-new", "scan-reused", "turn-new"]
+    for off in (
+        PhiOrder(weights, 60.0, lambda r: 0.0, 0.0, reuse_p),
+        PhiOrder(weights, 60.0, lambda r: 0.0),
+    ):
+        for page in pages():
+            off.add(page)
+        assert take_all(off) == ["scan-reused", "turn-new", "scan-new"]
+
+
+def test_phi_probation_takes_a_class_never_seen_back_at_a_floor() -> None:
+    order = PhiOrder((1, 0, 0, 0), 60.0, lambda r: 0.0, 1.0, lambda r: 0.0)
+    page = rec("never", last=60.0, shared=False)
+    order.add(page)
+    assert order.score(page) == pytest.approx(1.0 + math.log(1e-6))
+
+
+def test_reuse_estimator_p_first_is_the_class_of_a_page_seen_once() -> None:
+    est = ReuseEstimator(64, (1.0, 3.0))
+    page = rec("x", depth=5)
+    page.tag = "t"
+    assert est.p_first(page) == pytest.approx(0.25)  # the prior
+    for i in range(8):  # depth 5's class, tag t: seen once, then seen again
+        key = f"k{i}".encode()
+        est.access(key, 5, "t", lookup=False)
+        est.access(key, 5, "t", lookup=True)
+    assert est.p_first(page) == pytest.approx(est.p(5, False, "t"))
+    assert est.p_first(page) > 0.25
+
+
 def test_phi_cost_and_slo_terms() -> None:
     order = PhiOrder((0, 0, 1, 1), 60.0, lambda r: 1.0 + r.depth / 10)
     deep, shallow, late = (
