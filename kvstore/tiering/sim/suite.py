@@ -275,6 +275,8 @@ _SAME_RUN = (
     "capacity_blocks",
     "machine",
 )
+# The fields of a result ``judge`` reads.
+_JUDGED = ("hit_ratio", "nvme_blocks_written", "ttft_p50_s")
 # (workload, seed) -> capacity triple -> an earlier run's document
 SavedRuns = dict[tuple[str, int | None], dict[tuple[float, float, float], dict[str, Any]]]
 
@@ -306,6 +308,9 @@ def peer_results(document: Any, *, model: str, block_tokens: int) -> SavedRuns:
             capacity = tuple(float(c) for c in entry["capacity"])
             results = entry["results"]
             names = {r["policy"] for r in results}
+            for r in results:  # what judging reads of a peer's result
+                for key in _JUDGED:
+                    float(r[key])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"runs[{index}] is not a suite run: {e!r}") from e
         if len(capacity) != 3 or not set(POLICIES) <= names:

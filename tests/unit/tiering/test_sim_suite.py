@@ -317,6 +317,10 @@ def test_peers_from_a_file_that_is_not_this_suites_exits_2_and_unreadable_8(
         ({**saved, "suite": {**saved["suite"], "peer_models": 0}}, "peer models are version 0"),
         ({"runs": []}, 'no "suite" header'),
         ({**saved, "runs": [{"workload": "agent"}]}, "runs[0] is not a suite run"),
+        (
+            {**saved, "runs": [{**saved["runs"][0], "results": [{"policy": "vllm"}]}]},
+            "runs[0] is not a suite run: KeyError('hit_ratio')",
+        ),
     ]
     base = ["--suite", "--kind", "agent", *TINY, "--json", "--peers-from"]
     for index, (document, named) in enumerate(cases):
