@@ -324,6 +324,11 @@ _DEPTH_TIE_S = 1e-6
 _P_FLOOR = 1e-6
 
 
+def _certain(rec: PageRec) -> float:
+    """p(reuse) where no estimator is given (the probation term is then off)."""
+    return 1.0
+
+
 class PhiOrder:
     """Φ lowest first, in a lazy heap.
 
@@ -359,7 +364,7 @@ class PhiOrder:
         self._cost_ratio = cost_ratio
         # Probation: a page not yet reused ranks lower by w_p·ln p(reuse) of its class.
         self._wp = reuse_weight if reuse_p is not None else 0.0
-        self._reuse_p = reuse_p
+        self._reuse_p: Callable[[PageRec], float] = reuse_p or _certain
         self._heap: list[float] = []
         # Every filed Φ still in the heap or pending -> its page. An entry is
         # live while its page's ``_member`` value is that Φ; a stale one is dropped
@@ -409,7 +414,6 @@ class PhiOrder:
         if w4 and rec.deadline_s is not None and rec.last_access_s > rec.deadline_s:
             phi -= w4 * (rec.last_access_s - rec.deadline_s) / self._scale
         if self._wp and not rec.reused:
-            assert self._reuse_p is not None
             phi += self._wp * math.log(max(self._reuse_p(rec), _P_FLOOR))
         return phi
 
@@ -437,7 +441,7 @@ class PhiOrder:
                 if deadline is not None and last > deadline:
                     phi -= w4 * (last - deadline) / scale
             if wp and not rec.reused:
-                phi += wp * log(max(reuse_p(rec), floor))  # type: ignore[misc]
+                phi += wp * log(max(reuse_p(rec), floor))
             return phi
 
         return fast

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost, TierConfig
 from kvstore.tiering.cost import Compute, CostModel, make_bandwidths
+from kvstore.tiering.pages import TIER_NAMES
 from kvstore.tiering.sim.peers import POLICIES, make_peer, replay_peer
 from kvstore.tiering.sim.trace import Request, capacity_blocks, trace_facts
 
@@ -239,7 +240,7 @@ def _occupancy(
     for a tier with no capacity)."""
     return {
         name: (held[t] / samples / capacity[t]) if samples and capacity[t] else None
-        for t, name in enumerate(("hbm", "dram", "nvme"))
+        for t, name in enumerate(TIER_NAMES)
     }
 
 
