@@ -342,16 +342,17 @@ def test_peers_from_a_file_that_is_not_this_suites_exits_2_and_unreadable_8(
 
 def test_probation_is_what_lets_kvstore_meet_all_three_on_mixed_at_the_smallest_capacity() -> None:
     """A guard on the policy itself (docs/tiering.md, "The suite"): with Φ's probation
-    term (the default) kvstore meets all three targets on `mixed` seed 1 at the
+    term (the default) kvstore meets all three targets on `mixed` seed 2 at the
     smallest capacity, above the best peer's hit ratio; without it (weight 0) one-off
-    documents push the sessions' pages out and it does not. A policy change that
-    undoes this fails here and must be judged on the suite again."""
+    documents push the sessions' pages out: about 1.7 pp fewer hits, and TTFT p50
+    6% behind the best peer's. A policy change that undoes this fails here and must
+    be judged on the suite again."""
     result = sim(
         "--suite",
         "--kind",
         "mixed",
         "--seeds",
-        "1",
+        "2",
         "--capacity",
         "0.005,0.02,0.1",
         "--policy",
@@ -364,5 +365,6 @@ def test_probation_is_what_lets_kvstore_meet_all_three_on_mixed_at_the_smallest_
     [run] = json.loads(result.stdout)["runs"]
     default, off = run["verdicts"]
     assert default["passed"], default
-    assert default["hit_ratio"]["kvstore"] > default["hit_ratio"]["reference"]
-    assert not off["passed"] and not off["hit_ratio"]["passed"], off
+    assert default["hit_ratio"]["kvstore"] > default["hit_ratio"]["reference"] + 0.01
+    assert off["hit_ratio"]["kvstore"] < default["hit_ratio"]["kvstore"] - 0.01, off
+    assert not off["passed"] and not off["ttft"]["passed"], off
