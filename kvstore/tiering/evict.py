@@ -182,10 +182,10 @@ class Eviction(EvictionWrites):
 
     def _evict_now(self, tier: int, batch: int = 2) -> None:
         """A slot is wanted at once: free a batch of pages that can go without a copy
-        (HBM/DRAM pages with a copy below, or not worth keeping); demote the rest in
-        the background. ``batch``: 2 for one slot (a bigger batch leaves slots empty
-        that an exclusive chain would fill, measured by `kvstore sim`); ``alloc_many``
-        asks for its whole shortfall."""
+        (HBM/DRAM pages with a copy below, or not worth keeping); for DRAM, demote the
+        rest in the background (HBM starts no demotion here). ``batch``: 2 for one
+        slot (a bigger batch leaves slots empty that an exclusive chain would fill,
+        measured by `kvstore sim`); ``alloc_many`` asks for its whole shortfall."""
         scan = max(64, 2 * batch)  # 64 for one slot, as always
         payoff = self._payoff
         closed = payoff is not None and not all(payoff.open)
@@ -202,6 +202,14 @@ class Eviction(EvictionWrites):
             counter = _EVICT_CLEAN[tier]
             counters = self._counters
             counters[counter] = counters.get(counter, 0) + len(clean)
+            return
+        if tier == HBM:
+            # No HBM page with a DRAM copy: the offer's page goes to DRAM instead. A
+            # demotion started here would free its slot only when the copy lands,
+            # after the offer, and the slot would stay empty until the next one
+            # (`kvstore sim --generate agent` at 0.01: HBM ran a third empty). HBM is
+            # renewed by the control cycle (pre-demotion, the watermarks).
+            self._bump("alloc:hbm:no_clean")
             return
         if tier == DRAM:
             # The clean reserve ran dry: grow it (it decays back in the control cycle).

@@ -340,13 +340,13 @@ def test_peers_from_a_file_that_is_not_this_suites_exits_2_and_unreadable_8(
     assert "Traceback" not in result.output
 
 
-def test_probation_is_what_lets_kvstore_meet_all_three_on_mixed_at_the_smallest_capacity() -> None:
+def test_probation_is_what_keeps_kvstore_above_the_best_peer_on_mixed() -> None:
     """A guard on the policy itself (docs/tiering.md, "The suite"): with Φ's probation
     term (the default) kvstore meets all three targets on `mixed` seed 2 at the
-    smallest capacity, above the best peer's hit ratio; without it (weight 0) one-off
-    documents push the sessions' pages out: about 1.7 pp fewer hits, and TTFT p50
-    6% behind the best peer's. A policy change that undoes this fails here and must
-    be judged on the suite again."""
+    smallest capacity with 1.5 pp more hits than the best peer; without it (weight 0)
+    one-off documents push the sessions' pages out: 1.8 pp fewer hits (below the best
+    peer's) and a TTFT p50 10% higher. A policy change that undoes this fails here and
+    must be judged on the suite again."""
     result = sim(
         "--suite",
         "--kind",
@@ -367,4 +367,5 @@ def test_probation_is_what_lets_kvstore_meet_all_three_on_mixed_at_the_smallest_
     assert default["passed"], default
     assert default["hit_ratio"]["kvstore"] > default["hit_ratio"]["reference"] + 0.01
     assert off["hit_ratio"]["kvstore"] < default["hit_ratio"]["kvstore"] - 0.01, off
-    assert not off["passed"] and not off["ttft"]["passed"], off
+    assert off["hit_ratio"]["kvstore"] < off["hit_ratio"]["reference"], off
+    assert default["ttft"]["kvstore"] < 0.95 * off["ttft"]["kvstore"], (default, off)

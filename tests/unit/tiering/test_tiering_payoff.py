@@ -238,7 +238,9 @@ def test_while_a_class_is_closed_dram_keeps_the_pages_worth_writing() -> None:
         policies=["kvstore:nvme_write_payoff=0.07"],
     )
     by_tier = document["results"][0]["hit_ratio_by_tier"]
-    assert by_tier["dram"] > 0.4, by_tier
+    # (HBM and DRAM together: an offer into a full HBM places its page in DRAM, so
+    # the split between the two moves with HBM's policy, not with this one.)
+    assert by_tier["hbm"] + by_tier["dram"] > 0.7, by_tier
     assert by_tier["nvme"] < 0.1, by_tier
 
 

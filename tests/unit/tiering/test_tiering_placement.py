@@ -68,8 +68,10 @@ def test_an_hbm_page_with_only_an_nvme_copy_is_demoted_to_dram_not_dropped() -> 
         assert HBM in _tiers(tm, b"a")
         # HBM evicts it again: it must go to DRAM, as any HBM victim does, not fall
         # back to its NVMe copy (a DRAM hit turned into an NVMe hit).
-        for i in range(6):
+        for i in range(20):  # HBM makes room in the control cycle, a page a step
             _request(tm, [b"g%d" % i])
+            if HBM not in _tiers(tm, b"a"):
+                break
         assert HBM not in _tiers(tm, b"a")
         assert DRAM in _tiers(tm, b"a")
     finally:
@@ -201,14 +203,15 @@ def test_nvme_room_is_made_from_the_oldest_chain_not_from_every_tail() -> None:
             _request(tm, [b"f%d" % i])  # t = 1, 2, 3
         _tick(tm, 100.0)
         _request(tm, [b"b0", b"b1", b"b2", b"b3"])
-        for i in range(3, 6):
+        for i in range(3, 5):
             _request(tm, [b"f%d" % i])
         in_nvme = {k for k, rec in tm._pages.items() if rec.in_tier(NVME)}
-        assert set(old) <= in_nvme and {b"f1", b"b2"} <= in_nvme, sorted(in_nvme)
+        # NVMe's leaves: a3 (t = 0), f0 (1), f2 (3), b3 (104), all NVMe's alone.
+        assert set(old) | {b"f0", b"f2", b"b3"} <= in_nvme, sorted(in_nvme)
         assert tm._evict._evict_to(NVME, None, force=True, batch=4) == 4
         gone = {k for k in in_nvme if NVME not in _tiers(tm, k)}
         # Least recently used first, a chain from its tail: the whole old chain
-        # (t = 0) before f1 (t = 2) or any other leaf.
+        # (t = 0) before f0 (t = 1) or any other leaf.
         assert gone == set(old), sorted(gone)
     finally:
         tm.close()
@@ -224,15 +227,43 @@ def test_nvme_deletes_pages_it_alone_holds_before_copies_of_pages_above() -> Non
         _request(tm, [b"a0", b"a1"])
         for i in range(4):
             _request(tm, [b"f%d" % i])  # t = 1 .. 4
-        _request(tm, [b"a0", b"a1"])
-        assert _tiers(tm, b"f1") == {DRAM, NVME} and _tiers(tm, b"f2") == {DRAM, NVME}
-        assert _tiers(tm, b"f0") == {NVME} and _tiers(tm, b"f3") == {NVME}
+        _request(tm, [b"a0", b"a1"])  # t = 5
+        _request(tm, [b"f4"])
+        _request(tm, [b"f5"])
+        # NVMe's leaves: f0 (t = 1), f1 (2, DRAM holds it too), f2 (3), a1 (5).
+        assert _tiers(tm, b"f1") == {DRAM, NVME}
+        assert _tiers(tm, b"f0") == _tiers(tm, b"f2") == _tiers(tm, b"a1") == {NVME}
         assert tm._evict._evict_to(NVME, None, force=True, batch=2) == 2
-        # f1 (t = 2) is older than f3 (t = 4), but DRAM holds it.
-        assert _tiers(tm, b"f0") == set() and _tiers(tm, b"f3") == set()
-        assert _tiers(tm, b"f1") == {DRAM, NVME} and _tiers(tm, b"f2") == {DRAM, NVME}
-        # Nothing NVMe alone holds is left: then a copy goes, least recent first.
+        # f1 is older than f2, but DRAM holds it.
+        assert _tiers(tm, b"f0") == _tiers(tm, b"f2") == set()
+        assert _tiers(tm, b"f1") == {DRAM, NVME}
         assert tm._evict._evict_to(NVME, None, force=True, batch=1) == 1
-        assert _tiers(tm, b"f1") == {DRAM} and _tiers(tm, b"f2") == {DRAM, NVME}
+        assert _tiers(tm, b"a1") == set() and _tiers(tm, b"f1") == {DRAM, NVME}
+    finally:
+        tm.close()
+
+
+def test_an_offer_into_a_full_hbm_starts_no_demotion() -> None:
+    """An offer that finds owned HBM full takes the slot of a page with a DRAM copy
+    (pre-demoted by the control cycle) or places its page in DRAM; it starts no
+    demotion, whose slot would come free only after the offer and stay empty until
+    the next one (`kvstore sim --generate agent` at 0.01: HBM ran a third empty,
+    TTFT p50 1.34x exclusive LRU's; 1.17x without those demotions)."""
+    tm = _manager(eviction="lru", dram_bytes=16 * PAGE)
+    try:
+        tm.offer([b"h0", b"h1", b"h2", b"h3"], None)  # HBM's 4 slots, no DRAM copy
+        _tick(tm)  # the copies land; the cycle demotes one (HBM above its watermark)
+        assert all(_tiers(tm, b"h%d" % i) == {HBM} for i in range(4))
+        leaving = tm._state.leaving[HBM]
+        tm.offer([b"x"], None)
+        assert _tiers(tm, b"x") == {DRAM}
+        assert tm._state.leaving[HBM] == leaving  # the offer sent nothing out of HBM
+        assert tm._counters["alloc:hbm:no_clean"] >= 1
+        # The control cycle makes room (HBM above its watermark: its lowest page goes
+        # to DRAM); the next offer's page goes to HBM.
+        _tick(tm)  # that demotion lands
+        assert sum(HBM in _tiers(tm, b"h%d" % i) for i in range(4)) == 3
+        tm.offer([b"y"], None)
+        assert HBM in _tiers(tm, b"y")
     finally:
         tm.close()
