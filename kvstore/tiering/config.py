@@ -180,7 +180,11 @@ class TierConfig:
     watermark_low: float = 0.85
     max_dwpd: float | None = None  # NVMe write budget that τ_nvme steers toward
     emergency_write_s: float = 2.0  # in-flight NVMe write bytes above this much bandwidth
-    ghost_entries: int = 65536
+    # The reuse estimator's history (the ghost map): how many recently seen keys it
+    # remembers, the horizon within which a page seen again counts as reused. None:
+    # half the pages HBM, DRAM and NVMe hold together, 4,096 to 1 Mi (chosen by
+    # `kvstore sim --suite`; docs/tiering.md, "Admission").
+    ghost_entries: int | None = None
     reuse_prior: tuple[float, float] = (1.0, 3.0)  # Beta prior (reuses, non-reuses) per class
     tau_initial: float = 0.0  # s of saved time per byte; admit at VD >= τ
     # τ_nvme also rises while NVMe is above its warn watermark (else: the budget only).
@@ -222,8 +226,10 @@ class TierConfig:
             raise ValueError(f"hbm must be 'owned' or 'engine', got {self.hbm!r}")
         for name in ("hbm_bytes", "dram_bytes"):
             _non_negative_int(name, getattr(self, name))
-        for name in ("page_bytes", "tokens_per_page", "ghost_entries"):
+        for name in ("page_bytes", "tokens_per_page"):
             _positive_int(name, getattr(self, name))
+        if self.ghost_entries is not None:
+            _positive_int("ghost_entries", self.ghost_entries)
         if self.nvme_bytes is not None:
             _non_negative_int("nvme_bytes", self.nvme_bytes)
         if self.nvme_path is not None and not isinstance(self.nvme_path, str):

@@ -123,7 +123,8 @@ class TierManager:
         ]
         if config.hbm == "engine":
             capacity[HBM] = config.hbm_bytes
-        self._value = Valuation(config, self.cost, self._compute, slot, capacity[NVME])
+        cache_pages = sum(capacity) // slot if slot else 0
+        self._value = Valuation(config, self.cost, self._compute, slot, capacity[NVME], cache_pages)
         state = self._state = TierState(
             config,
             hbm=self._hbm,

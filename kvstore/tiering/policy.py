@@ -81,7 +81,7 @@ class ReuseEstimator:
         # key -> one int: access count << 24 | class id << 2 | pending trial << 1 |
         # looked up since last offer (_COUNT_SHIFT, _CLASS_MASK, _PENDING, _LOOKED). An
         # int is no object the garbage collector tracks: a list per key (the map holds
-        # ~2x the cache's pages) made every full collection walk them all.
+        # ~half the cache's pages) made every full collection walk them all.
         self._history: OrderedDict[bytes, int] = OrderedDict()
         self._classes: dict[tuple[int, bool, str], list[float]] = {}
 

@@ -18,7 +18,21 @@ from kvstore.tiering.pages import NVME, TIER_NAMES, PageRec
 from kvstore.tiering.payoff import WritePayoff
 from kvstore.tiering.policy import Admission, ReuseEstimator, TauController
 
-__all__ = ["Valuation"]
+__all__ = ["GHOST_ENTRIES_MAX", "GHOST_ENTRIES_MIN", "Valuation", "ghost_entries_for"]
+
+
+GHOST_ENTRIES_MIN = 4096
+GHOST_ENTRIES_MAX = 1 << 20
+
+
+def ghost_entries_for(cache_pages: int) -> int:
+    """``TierConfig.ghost_entries``'s default: half the pages the tiers hold together,
+    4,096 to 1 Mi. A page seen again within that many other keys counts as reused.
+    Twice the pages (the simulator's value before) left the horizon longer than most
+    traces: no key ever fell out unseen, so every class's p(reuse) stayed near 1 and
+    Φ's probation term ranked nothing (`kvstore sim --generate rag`: DRAM 82% pages
+    seen once; docs/tiering.md, "Admission")."""
+    return max(GHOST_ENTRIES_MIN, min(GHOST_ENTRIES_MAX, cache_pages // 2))
 
 
 class Valuation:
@@ -31,12 +45,16 @@ class Valuation:
         compute: Compute,
         slot_bytes: int,
         nvme_capacity: int = 0,
+        cache_pages: int = 0,
     ) -> None:
         self.config = config
         self.cost = cost
         self._compute = compute
         mode, threshold = config.admission_mode
-        self.reuse = ReuseEstimator(config.ghost_entries, config.reuse_prior)
+        entries = config.ghost_entries
+        if entries is None:
+            entries = ghost_entries_for(cache_pages)
+        self.reuse = ReuseEstimator(entries, config.reuse_prior)
         self.admission = Admission(mode, threshold, self.value_density)
         self.tau = TauController(config.tau_initial, pressure=config.tau_pressure)
         self.admit_epoch = 0  # bumped with every τ update: cached admissions expire

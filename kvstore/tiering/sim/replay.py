@@ -132,7 +132,6 @@ def kvstore_config(
         mover="fake",
         control_interval_s=0,
         probe_at_open=False,
-        ghost_entries=max(4096, 2 * sum(capacity)),
         bandwidth_bytes_per_s=machine.rates(),
         latency_s=machine.latencies(),
     )
@@ -372,6 +371,11 @@ def _coerce(key: str, value: str, current: object) -> Any:
     if isinstance(current, tuple):
         return tuple(float(v) for v in value.split("/"))
     if current is None:
+        if str(TierConfig.__annotations__.get(key, "")) == "int | None":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{key} takes a whole number or None, got {value!r}") from None
         try:
             return float(value)
         except ValueError:

@@ -251,6 +251,11 @@ def test_a_sim_policy_turns_the_gate_off_with_none() -> None:
     assert parse_overrides("kvstore:nvme_write_payoff=0.02") == {"nvme_write_payoff": 0.02}
     with pytest.raises(ValueError):  # a field that takes no None keeps refusing it
         parse_overrides("kvstore:hysteresis_s=none")
+    # An optional whole number stays one (TierConfig refuses a float there).
+    assert parse_overrides("kvstore:ghost_entries=1000") == {"ghost_entries": 1000}
+    assert parse_overrides("kvstore:ghost_entries=None") == {"ghost_entries": None}
+    with pytest.raises(ValueError, match="whole number"):
+        parse_overrides("kvstore:ghost_entries=1e3")
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.0])

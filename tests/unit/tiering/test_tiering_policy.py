@@ -321,3 +321,44 @@ def test_access_lookup_counts_exactly_as_one_access_per_page() -> None:
         walk.access_lookup(keys, tag)
     assert list(one._history.items()) == list(walk._history.items())
     assert one._classes == walk._classes
+
+
+def test_ghost_entries_default_is_half_the_cache_within_bounds() -> None:
+    from kvstore.tiering.value import GHOST_ENTRIES_MAX, GHOST_ENTRIES_MIN, ghost_entries_for
+
+    assert ghost_entries_for(0) == GHOST_ENTRIES_MIN
+    assert ghost_entries_for(100_000) == 50_000
+    assert ghost_entries_for(1 << 40) == GHOST_ENTRIES_MAX
+
+
+def test_the_reuse_estimator_learns_that_most_pages_seen_once_do_not_come_back() -> None:
+    """`rag` at `0.02,0.1,0.5`: 20,000 documents with Zipf popularity, most read once.
+    With the ghost map at twice the cache's pages (longer than the trace's distinct
+    keys) no key ever fell out unseen, every class's p(reuse) stayed near 1, Φ's
+    probation term ranked nothing and DRAM ran 82% full of pages seen once (TTFT p50
+    242.5 ms against vLLM threshold 2's 220.8; 221.2 with the default map)."""
+    from kvstore.tiering.config import MODEL_PRESETS
+    from kvstore.tiering.manager import TierManager
+    from kvstore.tiering.sim import replay
+    from kvstore.tiering.sim.trace import generate
+
+    requests = generate("rag", seed=1, requests=2500, block_tokens=512)
+    unique = len({b for r in requests for b in r.blocks})
+    capacity = (unique // 50, unique // 10, unique // 2)
+    config = replay.kvstore_config(capacity, MODEL_PRESETS["llama-3.1-8b"], 512, replay.Machine())
+    tm = TierManager.open(config)
+    try:
+        assert tm._reuse._limit == sum(capacity) // 2
+        clock = tm.clock
+        assert clock is not None
+        for request in requests:
+            clock.set(max(clock.now(), request.timestamp_s))
+            tm.step()
+            keys = [b"%d" % block for block in request.blocks]
+            tm.lookup(keys)
+            tm.offer(keys, None)
+        # Documents' pages sit at depths 2-37 (after a 2-6 block system prompt).
+        probe = PageRec(b"probe", None, 8, 512, 4096, 0.0)
+        assert tm._reuse.p_first(probe) < 0.5
+    finally:
+        tm.close()
