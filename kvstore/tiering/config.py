@@ -182,7 +182,7 @@ class TierConfig:
     emergency_write_s: float = 2.0  # in-flight NVMe write bytes above this much bandwidth
     # The reuse estimator's history (the ghost map): how many recently seen keys it
     # remembers, the horizon within which a page seen again counts as reused. None:
-    # half the pages HBM, DRAM and NVMe hold together, 4,096 to 1 Mi (chosen by
+    # half the pages HBM, DRAM and NVMe hold together, 4,096 to 256 Ki (chosen by
     # `kvstore sim --suite`; docs/tiering.md, "Admission").
     ghost_entries: int | None = None
     reuse_prior: tuple[float, float] = (1.0, 3.0)  # Beta prior (reuses, non-reuses) per class

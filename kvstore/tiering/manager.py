@@ -123,7 +123,10 @@ class TierManager:
         ]
         if config.hbm == "engine":
             capacity[HBM] = config.hbm_bytes
-        cache_pages = sum(capacity) // slot if slot else 0
+        # The reuse horizon's default (value.ghost_entries_for): an NVMe tier without a
+        # capacity counts none (its UNBOUNDED_BYTES is no number of pages).
+        bounded = capacity[HBM] + capacity[DRAM] + (capacity[NVME] if nvme.capacity else 0)
+        cache_pages = bounded // slot if slot else 0
         self._value = Valuation(config, self.cost, self._compute, slot, capacity[NVME], cache_pages)
         state = self._state = TierState(
             config,

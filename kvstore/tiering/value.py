@@ -22,12 +22,13 @@ __all__ = ["GHOST_ENTRIES_MAX", "GHOST_ENTRIES_MIN", "Valuation", "ghost_entries
 
 
 GHOST_ENTRIES_MIN = 4096
-GHOST_ENTRIES_MAX = 1 << 20
+GHOST_ENTRIES_MAX = 1 << 18  # ~200 bytes an entry: ~50 MB at most
 
 
 def ghost_entries_for(cache_pages: int) -> int:
     """``TierConfig.ghost_entries``'s default: half the pages the tiers hold together,
-    4,096 to 1 Mi. A page seen again within that many other keys counts as reused.
+    4,096 to 256 Ki (an NVMe tier without a capacity counts none). A page seen again
+    within that many other keys counts as reused.
     Twice the pages (the simulator's value before) left the horizon longer than most
     traces: no key ever fell out unseen, so every class's p(reuse) stayed near 1 and
     Φ's probation term ranked nothing (`kvstore sim --generate rag`: DRAM 82% pages
