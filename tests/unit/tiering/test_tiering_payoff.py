@@ -285,3 +285,22 @@ def test_the_managers_orders_rank_pages_seen_once_by_the_reuse_estimators_class(
 def test_a_negative_or_non_finite_probation_weight_is_refused(weight: float) -> None:
     with pytest.raises(ValueError, match="phi_reuse_weight"):
         TierConfig(phi_reuse_weight=weight)
+
+
+def test_the_reuse_horizon_counts_a_bounded_nvme_and_not_an_unbounded_one(
+    tmp_path: Path,
+) -> None:
+    """``ghost_entries=None``: half the pages HBM, DRAM and NVMe hold (at least 4,096);
+    a store without a capacity adds none (its pages are no number: the cap, 256 Ki
+    entries of ~200 bytes, would be taken for every unbounded store)."""
+    from kvstore.tiering.value import GHOST_ENTRIES_MIN
+
+    bounded = _manager_config(tmp_path / "a", nvme_bytes=20_000 * SLOT)
+    with TierManager.open(bounded) as tm:
+        assert tm._reuse._limit == (4 + 16 + 20_000) // 2
+    with TierManager.open(_manager_config(tmp_path / "b", nvme_bytes=None)) as tm:
+        assert tm._nvme.capacity is None
+        assert tm._reuse._limit == GHOST_ENTRIES_MIN
+    explicit = _manager_config(tmp_path / "c", ghost_entries=777)
+    with TierManager.open(explicit) as tm:
+        assert tm._reuse._limit == 777
