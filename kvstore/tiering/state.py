@@ -55,6 +55,9 @@ class TierState:
             )
 
         self.pages: dict[bytes, PageRec] = {}
+        # Told when a page loses its last copy, with the tier it left last (`kvstore
+        # sim`'s miss reasons; None: nobody asks).
+        self.on_gone: Callable[[PageRec, int], None] | None = None
         # DRAM pages that also have their NVMe copy (free at once), ranked like DRAM's
         # order: an allocation under pressure takes the lowest (leaving DRAM makes no
         # hole in a prefix while the NVMe copy stays).
@@ -224,6 +227,8 @@ class TierState:
         if not tiers & bit:
             return
         rec.tiers = tiers & ~bit
+        if not rec.tiers and self.on_gone is not None:
+            self.on_gone(rec, tier)
         self.count[tier] -= 1
         owned = tier == 1 or (tier == 0 and self.owned_hbm)  # tier_bytes, inlined
         nbytes = self.slot_bytes if owned else rec.nbytes

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost, TierConfig
 from kvstore.tiering.cost import Compute, CostModel, make_bandwidths
-from kvstore.tiering.pages import TIER_NAMES
+from kvstore.tiering.pages import TIER_NAMES, PageRec
 from kvstore.tiering.sim.peers import POLICIES, make_peer, replay_peer
 from kvstore.tiering.sim.trace import Request, capacity_blocks, trace_facts
 
@@ -153,6 +153,15 @@ def _batch_gc() -> Iterator[None]:
         gc.set_threshold(*thresholds)
 
 
+# details.misses: why a request's first missing block was missing; the blocks counted
+# are that one and every block after it in the request (a prefix ends at its first miss).
+_MISS_REASONS = {
+    0: "left HBM without a copy below",
+    1: "dropped from DRAM unwritten",
+    2: "deleted from NVMe",
+}
+
+
 def simulate_kvstore(
     requests: Sequence[Request],
     config: TierConfig,
@@ -179,6 +188,15 @@ def simulate_kvstore(
     hbm_pool, dram_pool = tm._hbm, tm._dram
     nvme_pages = state.capacity[2] // state.slot_bytes if state.slot_bytes else 0
     held = [0, 0, 0]
+    # Why a request's first missing block was missing (details.misses): the tier each
+    # page last left when it lost its last copy.
+    left: dict[bytes, int] = {}
+    misses: dict[str, list[int]] = {}
+
+    def gone(rec: PageRec, tier: int) -> None:
+        left[rec.key] = tier
+
+    state.on_gone = gone
     try:
         with _batch_gc():
             for index, request in enumerate(requests):
@@ -188,11 +206,14 @@ def simulate_kvstore(
                 held[0] += hbm_pool.used_slots()
                 held[1] += dram_pool.used_slots()
                 held[2] += state.count[2]
-                keys = []
+                keys: list[bytes] = []
+                first_new = -1  # the first block no earlier request had
                 for block in request.blocks:
                     key = keys_of.get(block)
                     if key is None:
                         key = keys_of[block] = b"%d" % block
+                        if first_new < 0:
+                            first_new = len(keys)
                     keys.append(key)
                 tokens = max(request.input_tokens, 1)
                 result = tm.lookup(keys, tokens=tokens)
@@ -201,6 +222,16 @@ def simulate_kvstore(
                 hits[1] += by_tier[1]
                 hits[2] += by_tier[2]
                 accesses += len(keys)
+                found = by_tier[0] + by_tier[1] + by_tier[2]
+                if found < len(keys):
+                    first = keys[found]
+                    if 0 <= first_new <= found:
+                        reason = "never seen"
+                    else:
+                        reason = _MISS_REASONS[left[first]] if first in left else "declined"
+                    counts = misses.setdefault(reason, [0, 0])
+                    counts[0] += 1
+                    counts[1] += len(keys) - found
                 ttft.append(result.plan.cost.ttft_s)
                 recompute_tokens += max(tokens - result.plan.load_pages * tpp, 0)
                 tm.offer(keys, None)
@@ -208,6 +239,7 @@ def simulate_kvstore(
                     progress(index)
         stats = tm.stats()
     finally:
+        state.on_gone = None
         tm.close()
     return SimResult(
         name,
@@ -228,6 +260,10 @@ def simulate_kvstore(
             "occupancy": _occupancy(
                 held, len(requests), (hbm_pool.slots, dram_pool.slots, nvme_pages)
             ),
+            "misses": {
+                reason: {"requests": n, "blocks": blocks}
+                for reason, (n, blocks) in sorted(misses.items())
+            },
         },
     )
 

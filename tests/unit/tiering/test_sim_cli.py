@@ -482,3 +482,29 @@ def test_a_replay_paces_the_collector_and_restores_it() -> None:
     with pytest.raises(RuntimeError):
         sim.simulate_kvstore(requests, config, progress=boom)
     assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize(
+    ("nvme_pages", "reason"), [(8, "deleted from NVMe"), (0, "dropped from DRAM unwritten")]
+)
+def test_a_replay_says_why_each_requests_first_missing_block_was_missing(
+    nvme_pages: int, reason: str
+) -> None:
+    """details.misses: a chain asked for again after 100 other pages went through a
+    2 + 4 (+ 8) page cache was deleted from NVMe (written: no write gate here) or, with
+    no NVMe, dropped from DRAM; every other request's first block was never seen."""
+    from kvstore.tiering import sim
+    from kvstore.tiering.sim.trace import Request
+
+    requests = [Request(0.0, 1024, 10, (1, 2))]
+    requests += [Request(1.0 + i, 512, 10, (1000 + i,)) for i in range(100)]
+    requests.append(Request(101.0, 1024, 10, (1, 2)))
+    overrides = {"nvme_write_payoff": None}
+    config = sim.kvstore_config(
+        (2, 4, nvme_pages), MODEL_PRESETS["llama-3.1-8b"], 512, sim.Machine(), overrides
+    )
+    result = sim.simulate_kvstore(requests, config)
+    assert result.extra["misses"] == {
+        reason: {"requests": 1, "blocks": 2},
+        "never seen": {"requests": 101, "blocks": 102},
+    }
