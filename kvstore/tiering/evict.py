@@ -29,7 +29,7 @@ from kvstore.tiering.evict_writes import EvictionWrites, FireWaiters
 from kvstore.tiering.measure import Measurements
 from kvstore.tiering.mover_api import Mover, Ticket
 from kvstore.tiering.nvme import NvmeTier
-from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
+from kvstore.tiering.pages import BIT, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
 from kvstore.tiering.policy import EvictionOrder
 from kvstore.tiering.state import TierState
 from kvstore.tiering.value import Valuation
@@ -324,7 +324,7 @@ class Eviction(EvictionWrites):
         now = self._now()
         order = self._orders[tier]
         if tier == NVME:
-            return self._delete_nvme(order, want)
+            return self._delete_nvme(order, want, force)
         choose = order.victims
         done = 0
         for _ in range(4):  # a chain frees its tail first: a few rounds per batch
@@ -357,7 +357,7 @@ class Eviction(EvictionWrites):
                 break
         return done
 
-    def _delete_nvme(self, order: EvictionOrder, want: int) -> int:
+    def _delete_nvme(self, order: EvictionOrder, want: int, force: bool) -> int:
         """Delete ``want`` NVMe victims, one at a time: NVMe's order holds leaves only,
         and a victim's parent becomes a leaf when the victim goes, ranked right after
         it (same access, one page shallower). Taken as a batch, the victims would be
@@ -366,7 +366,7 @@ class Eviction(EvictionWrites):
         capacity: 22 pp of hits). Pages NVMe alone holds go first: deleting the copy
         of a page HBM or DRAM still holds frees room but leaves that page to be
         written again (`--generate mixed`: 10,000 more writes for no hit)."""
-        eligible = self._eligible(NVME, True)
+        eligible = self._eligible(NVME, force)
 
         def nvme_only(rec: PageRec) -> bool:
             return not rec.tiers & _ABOVE_NVME and eligible(rec)
@@ -575,7 +575,7 @@ def _no_waiters(rec: PageRec, **_: object) -> None:
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
-_ABOVE_NVME = 3  # PageRec.tiers: HBM | DRAM
+_ABOVE_NVME = BIT[HBM] | BIT[DRAM]  # PageRec.tiers: a copy above NVMe
 # PageRec.resident_children[tier], one slot per tier
 _RESIDENT_CHILDREN = tuple(operator.attrgetter(f"resident_{name}") for name in TIER_NAMES)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.tiering.config import MODEL_PRESETS, ModelCost, TierConfig
 from kvstore.tiering.cost import Compute, CostModel, make_bandwidths
-from kvstore.tiering.pages import TIER_NAMES, PageRec
+from kvstore.tiering.pages import DRAM, HBM, NVME, TIER_NAMES, PageRec
 from kvstore.tiering.sim.peers import POLICIES, make_peer, replay_peer
 from kvstore.tiering.sim.trace import Request, capacity_blocks, trace_facts
 
@@ -155,10 +155,10 @@ def _batch_gc() -> Iterator[None]:
 
 # details.misses: why a request's first missing block was missing; the blocks counted
 # are that one and every block after it in the request (a prefix ends at its first miss).
-_MISS_REASONS = {
-    0: "left HBM without a copy below",
-    1: "dropped from DRAM unwritten",
-    2: "deleted from NVMe",
+_MISS_REASONS: dict[int, str] = {
+    HBM: "left HBM without a copy below",
+    DRAM: "dropped from DRAM unwritten",
+    NVME: "deleted from NVMe",
 }
 
 
