@@ -164,8 +164,10 @@ class Loads:
                 if age != last_age:
                     last_age, factor = age, exp(-decay * age)
                 rec.hits = rec.hits * factor + count
+                rec.reads = rec.reads * factor + 1.0
             else:
                 rec.hits = rec.hits + count
+                rec.reads = rec.reads + 1.0
             rec.last_access_s = now
             rec.reused = True
         total = tokens if tokens is not None else ctx.tokens

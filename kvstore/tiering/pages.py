@@ -79,6 +79,7 @@ class PageRec:
         "parent",
         "pins",
         "promoted_at_s",
+        "reads",
         "resident_dram",
         "resident_hbm",
         "resident_nvme",
@@ -108,6 +109,9 @@ class PageRec:
         self.state = PageState.READY
         self.last_access_s = now_s
         self.hits = 0.0
+        # Lookups that hit this page, decayed as ``hits`` is: Φ's frequency term scales
+        # the hits by the share of reads that branched (hits / reads).
+        self.reads = 0.0
         # The key that followed this page in the last lookup that hit it: a hit counts
         # toward ``hits`` only where the prefix branches (docs/tiering.md, "Eviction and
         # placement").

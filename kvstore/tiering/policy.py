@@ -407,7 +407,14 @@ class PhiOrder:
             # Frequency only where the prefix branches (a system prompt, a shared
             # document): a chain re-read by its own next turn is ranked by recency,
             # which its every turn renews (`kvstore sim`: multi-turn vs mixed traces).
-            phi += w2 * math.log1p(rec.hits)
+            # Scaled by the share of the page's reads that branched: a session's page
+            # re-read by twenty turns and branched once (a backtrack) counts 1/20 of a
+            # hit, a shared prompt's page that branches at nearly every read counts
+            # all of its hits.
+            hits, reads = rec.hits, rec.reads
+            if reads > hits:
+                hits *= hits / reads
+            phi += w2 * math.log1p(hits)
         if w3:
             ratio = rec.cost_ratio  # the manager's cache (full pages); -1: ask it
             phi += w3 * (ratio if ratio >= 0 else self._cost_ratio(rec))
@@ -435,7 +442,10 @@ class PhiOrder:
             last = rec.last_access_s
             phi = w1 * (last - tie * rec.depth) / scale
             if rec.shared:
-                phi += w2 * log1p(rec.hits)
+                hits, reads = rec.hits, rec.reads
+                if reads > hits:
+                    hits *= hits / reads
+                phi += w2 * log1p(hits)
             if w4:
                 deadline = rec.deadline_s
                 if deadline is not None and last > deadline:

@@ -98,11 +98,12 @@ class TierState:
         )
 
     def touch(self, rec: PageRec, now: float, deadline_s: float | None, count: float = 1.0) -> None:
-        """An access: the page's decayed hits (``count`` more), its recency, and (ARC)
-        its place."""
+        """An access: the page's decayed hits (``count`` more) and reads (one more), its
+        recency, and (ARC) its place."""
         age = now - rec.last_access_s
-        decayed = rec.hits * math.exp(-self.decay_per_s * age) if age > 0 else rec.hits
-        rec.hits = decayed + count
+        factor = math.exp(-self.decay_per_s * age) if age > 0 else 1.0
+        rec.hits = rec.hits * factor + count
+        rec.reads = rec.reads * factor + 1.0
         rec.last_access_s = now
         rec.reused = True
         if deadline_s is not None:

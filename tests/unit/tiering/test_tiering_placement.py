@@ -6,6 +6,8 @@ Regression tests for the placement decisions the trace simulator measured
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvstore.tiering import evict as evict_module
@@ -93,6 +95,39 @@ def test_a_request_chain_leaves_hbm_from_its_tail() -> None:
         # Whatever left is a suffix of the chain.
         first_gone = in_hbm.index(False)
         assert not any(in_hbm[first_gone:]), in_hbm
+    finally:
+        tm.close()
+
+
+def test_a_backtrack_counts_a_hit_but_the_sessions_rereads_dilute_it() -> None:
+    """A session that backtracks once (its prefix branches) gains one hit on the pages
+    above the branch, and its later turns re-read them without branching: Φ counts
+    that hit by the share of reads that branched. A document whose every reader goes
+    on differently keeps its hits whole."""
+    tm = _manager(dram_bytes=64 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        _request(tm, [b"s0", b"s1", b"s2"])
+        _request(tm, [b"s0", b"s1", b"s2", b"s3"])  # the next turn: s1 goes on to s2
+        _request(tm, [b"s0", b"s1", b"t2"])  # a backtrack: s1 goes on differently
+        for turn in range(3, 10):  # the next turns re-read the same prefix
+            _request(tm, [b"s0", b"s1", b"t2"] + [b"t%d" % i for i in range(3, turn + 1)])
+        for question in (b"q0", b"q1", b"q2", b"q3"):
+            _request(tm, [b"doc0", b"doc1", question])
+        pages = tm._pages
+        session, document = pages[b"s0"], pages[b"doc0"]
+        assert session.shared and document.shared
+        assert session.hits == pytest.approx(1.0, abs=0.05)  # the backtrack, once
+        assert session.reads == pytest.approx(9.0, abs=0.1)  # every lookup that hit it
+        assert document.hits == pytest.approx(2.0, abs=0.05)  # readers 3 and 4 branched
+        assert document.reads == pytest.approx(3.0, abs=0.1)  # readers 2-4 hit it
+        order = tm._orders[HBM]
+        for page in (session, document):  # same recency and depth ...
+            page.last_access_s, page.depth = 10.0, 0
+        document.hits = session.hits = 1.0  # ... and hits: only the reads differ
+        assert order.score(document) - order.score(session) == pytest.approx(
+            math.log1p(1.0 / document.reads) - math.log1p(1.0 / session.reads)
+        )
+        assert order.score(document) > order.score(session)
     finally:
         tm.close()
 

@@ -69,6 +69,29 @@ def test_phi_hits_count_only_for_shared_pages() -> None:
 
 
 @pytest.mark.parametrize("cost_term", [0.0, 1.0])  # 0: the fast closure; 1: score()
+def test_phi_hits_count_by_the_share_of_reads_that_branched(cost_term: float) -> None:
+    """A session's page re-read by its own twenty turns and branched at three of them
+    (backtracks) counts 3 x 3/20 hits; a shared document's page with the same three
+    hits, each read a branch, counts all three. Fewer reads than hits (a restart's
+    heat, no reads yet) count the hits as they are."""
+    order = PhiOrder((1, 1, cost_term, 0), 60.0, lambda r: 0.0)  # type: ignore[arg-type]
+    session = rec("session", last=0, hits=3.0)
+    session.reads = 20.0
+    document = rec("document", last=0, hits=3.0)
+    document.reads = 3.0
+    restored = rec("restored", last=0, hits=3.0)  # reads 0
+    newer = rec("newer", last=30, hits=0.0)  # 0.5 units of recency, no hits
+    for page in (session, document, restored, newer):
+        order.add(page)
+    # session: log1p(0.45) = 0.37 < newer's 0.5 < log1p(3) = 1.39 (document, restored)
+    assert take_all(order)[:2] == ["session", "newer"]
+    assert order.score(document) == pytest.approx(order.score(restored))
+    assert order.score(document) - order.score(session) == pytest.approx(
+        math.log1p(3.0) - math.log1p(3.0 * 3.0 / 20.0)
+    )
+
+
+@pytest.mark.parametrize("cost_term", [0.0, 1.0])  # 0: the fast closure; 1: score()
 def test_phi_probation_ranks_pages_not_yet_reused_by_their_class(cost_term: float) -> None:
     """w_p·ln p(reuse): a page seen once ranks by its class's chance to come back. At
     p = 0.05 and 60 s of recency per unit, ln 0.05 ≈ -3 is three minutes older; a
