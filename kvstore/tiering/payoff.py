@@ -16,7 +16,9 @@ gate open while its measured payoff is at least ``threshold`` (docs/tiering.md,
 Both sides count the same event (a read-back before the page would have left NVMe),
 so the gate can open and close on evidence alone. The counts decay (``_DECAY`` per
 settled page): the gate follows a workload that changes. A class opens at
-``threshold``, closes below ``threshold * _CLOSE``: no flapping on a class at the bar.
+``threshold`` with at least ``_MIN_PAID`` read-backs behind it, closes below
+``threshold * _CLOSE``: no flapping on a class at the bar, and no class opened by one
+page asked for again.
 
 The prior is a frequency filter: pages seen again are admitted, pages seen once are
 not until their ghosts show they would be read back. State under the manager's lock.
@@ -32,6 +34,11 @@ ONCE, REUSED = 0, 1  # the classes: seen once when leaving DRAM, or seen again
 _DECAY = 0.998  # per settled page: the evidence of the last ~500 pages per class
 _MIN_EVIDENCE = 16.0  # settled pages (decayed) before a class's gate may move
 _CLOSE = 0.5  # a class closes below threshold x this (opens at the threshold)
+# A closed class opens only on this many read-backs (decayed) as well: at a bar of
+# 0.001 a single ghost asked again among hundreds met the share, and the class then
+# wrote until NVMe turned over before a write could count as unpaid (`kvstore sim
+# --generate long-docs` at 0.005,0.02,0.1: 7,714 writes after one read-back).
+_MIN_PAID = 3.0
 _PRIOR = (False, True)  # gates at open: seen once closed, seen again open
 
 
@@ -133,7 +140,10 @@ class WritePayoff:
             return
         share = paid_counts[cls] / total
         was = self.open[cls]
-        now = share >= self.threshold if not was else share >= self.threshold * _CLOSE
+        if was:
+            now = share >= self.threshold * _CLOSE
+        else:
+            now = share >= self.threshold and paid_counts[cls] >= _MIN_PAID
         if now != was:
             self.open[cls] = now
             self.changes += 1

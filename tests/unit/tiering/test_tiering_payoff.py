@@ -40,6 +40,24 @@ def test_ghosts_asked_for_again_open_the_closed_class() -> None:
     assert gate.payoff(ONCE) == pytest.approx(1.0)  # only paid ghosts settled so far
 
 
+def test_one_ghost_asked_again_does_not_open_the_class_three_do() -> None:
+    """One read-back among hundreds meets a bar of 0.001 but is no evidence: the class
+    opens only with a decayed count of three read-backs behind it (`kvstore sim --generate
+    long-docs` at 0.005: one ghost asked again opened it, and it wrote 7,714 pages
+    before the first unpaid write could settle)."""
+    gate = WritePayoff(0.001, horizon_pages=10)
+    for i in range(30):
+        gate.declined(k(i), seen=1)  # 20 of them fall out unasked: unpaid
+    gate.missed([k(25)])
+    assert gate.payoff(ONCE) > 0.001
+    assert not gate.admits(1) and gate.changes == 0
+    gate.missed([k(26)])
+    gate.missed([k(27)])  # three, less their decay: 2.99
+    assert not gate.admits(1)
+    gate.missed([k(28)])
+    assert gate.admits(1) and gate.changes == 1
+
+
 def test_a_miss_settles_ghosts_only_up_to_the_first_key_that_is_not_one() -> None:
     gate = WritePayoff(0.1, horizon_pages=1000)
     gate.declined(k(1), seen=1)
