@@ -50,6 +50,9 @@ _RESERVE_DECAY_S = 1200.0
 # a fifth of NVMe's size, `multi-turn` at 0.005,0.02,0.1 ran NVMe 12% duplicates and
 # had 6 pp fewer hits than an exclusive chain; `kvstore sim --suite`, docs/tiering.md).
 _RESERVE_BURST_MAX = 0.25
+# ... and up to this share while NVMe has room for the copies (below its low
+# watermark): a small DRAM then takes a burst of nearly its size after the last one.
+_RESERVE_ROOM_MAX = 0.75
 _READY, _EVICTING = PageState.READY, PageState.EVICTING
 
 
@@ -302,12 +305,20 @@ class Eviction(EvictionWrites):
         if self.dram_reserve > base:
             decay = math.exp(-max(now - self._reserve_at, 0.0) / _RESERVE_DECAY_S)
             self.dram_reserve = base + (self.dram_reserve - base) * decay
-        if self.burst_pages and self._capacity[DRAM]:
-            burst = 2 * self.burst_pages * self._slot_bytes / self._capacity[DRAM]
-            self.dram_reserve = max(self.dram_reserve, min(burst, _RESERVE_BURST_MAX))
+        reserve = self.dram_reserve
+        dram = self._capacity[DRAM]
+        if self.burst_pages and dram:
+            burst = 2 * self.burst_pages * self._slot_bytes / dram
+            self.dram_reserve = reserve = max(reserve, min(burst, _RESERVE_BURST_MAX))
+            # While NVMe has room below its low watermark, the reserve's copies cost
+            # it no distinct page: cover the burst further, up to the old 0.75 (not
+            # kept: the room is gone once NVMe fills, and the reserve with it).
+            room = config.watermark_low * self._capacity[NVME] - self._used[NVME]
+            if room > 0 and burst > reserve:
+                reserve = max(reserve, min(burst, _RESERVE_ROOM_MAX, reserve + room / dram))
         self._reserve_at = now
-        if usage[DRAM] >= 1.0 - self.dram_reserve:
-            self._preclean()
+        if usage[DRAM] >= 1.0 - reserve:
+            self._preclean(reserve)
 
     def _evict_to(self, tier: int, low: float | None, *, force: bool, batch: int = BATCH) -> int:
         """Evict from ``tier`` down to ``low`` x capacity (None: one batch, for an
@@ -525,12 +536,13 @@ class Eviction(EvictionWrites):
             self._bump("predemoted", len(copies))
             self._submit_demotions(copies, keep=True)
 
-    def _preclean(self) -> None:
-        """Keep a reserve of clean DRAM pages (the next victims, already on NVMe) so an
-        allocation under pressure frees a slot at once instead of declining: write
-        back, without evicting, the lowest-ranked dirty pages NVMe admits."""
+    def _preclean(self, share: float) -> None:
+        """Keep a reserve of clean DRAM pages (``share`` of DRAM: the next victims,
+        already on NVMe) so an allocation under pressure frees a slot at once instead
+        of declining: write back, without evicting, the lowest-ranked dirty pages NVMe
+        admits."""
         cap = self._capacity[DRAM]
-        reserve = self.dram_reserve * cap
+        reserve = share * cap
         want = int((reserve - len(self._clean_dram) * self._slot_bytes) // self._slot_bytes)
         if want <= 0 or not self._nvme_enabled or self.emergency or self._write_paced():
             return
