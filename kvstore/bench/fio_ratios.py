@@ -258,7 +258,12 @@ def machine_info(bench_dir: Path, fio: str) -> dict[str, Any]:
     import kvstore
 
     info: dict[str, Any] = dict(common_machine_info(bench_dir))
-    fio_version = subprocess.run([fio, "--version"], capture_output=True, text=True).stdout.strip()
+    try:
+        fio_version = subprocess.run(
+            [fio, "--version"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:  # not installed: a --skip-fio run needs no fio
+        fio_version = "not found"
     info.update(
         kvstore=kvstore.__version__,
         fio=fio_version,
@@ -1146,6 +1151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
         return rerender(args.report)
+    if not args.skip_fio and shutil.which(args.fio) is None:
+        print(
+            f"kvstore bench: fio not found ({args.fio!r}): install it (Debian/Ubuntu: "
+            "apt-get install fio), name it with --fio PATH, or run --skip-fio",
+            file=sys.stderr,
+        )
+        return 2
     size_mib: int = args.size_mib or (512 if args.quick else 4096)
     runtime: int = args.runtime or (10 if args.quick else 60)
     bench_dir: Path = args.dir

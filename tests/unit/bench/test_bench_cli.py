@@ -181,3 +181,23 @@ def test_against_fio_passes_the_common_options_and_the_exit_code_through(
     assert argv[:6] == ["--dir", str(tmp_path), "--io-depth", "8", "--settle", "1.0"]
     assert {"--quick", "--json", "--skip-fio"} <= set(argv)
     assert argv[argv.index("--out") + 1] == str(tmp_path / "r")
+
+
+def test_against_fio_without_fio_says_so_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It used to die in a traceback (FileNotFoundError: 'fio') before any workload.
+    from kvstore.bench import fio_ratios
+
+    rc = fio_ratios.main(["--dir", str(tmp_path / "d"), "--fio", str(tmp_path / "no-fio")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "fio not found" in err and "--skip-fio" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_machine_facts_need_no_fio_for_a_skip_fio_run(tmp_path: Path) -> None:
+    from kvstore.bench import fio_ratios
+
+    info = fio_ratios.machine_info(tmp_path, str(tmp_path / "no-fio"))
+    assert info["fio"] == "not found"
