@@ -139,8 +139,9 @@ class Eviction(EvictionWrites):
         per slot; None (and nothing taken): not ``n`` to be had. Victims by
         ``alloc``'s rules (clean copies first, then pages NVMe declines, then a batch;
         never a pinned page, one with waiters, or one in flight); a pass frees what it
-        can (a chain frees its tail first) and the next asks for what is still short,
-        until a pass frees nothing. The single-node paths allocate with ``alloc``:
+        can, a chain tail first and then up it in the same scan (``_eligible``'s
+        ``chains``), and the next asks for what is still short, until a pass frees
+        nothing. The single-node paths allocate with ``alloc``:
         their decisions are unchanged."""
         arena = self._hbm if tier == HBM else self._dram
         free = arena.free_slots()
