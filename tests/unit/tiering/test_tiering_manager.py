@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +309,62 @@ def test_fsck_accepts_the_tier_managers_statistics_file(tmp_path: Path) -> None:
     with KVStore.open(tmp_path / "nvme") as store:
         report = store.check()
     assert not [f for f in report if f.kind == "stray-file"], list(report)
+
+
+def _count_steps(tm: TierManager) -> list[float]:
+    """The times of the control thread's cycles from now on."""
+    at: list[float] = []
+    inner = tm.step
+
+    def step() -> None:
+        at.append(time.monotonic())
+        inner()
+
+    tm.step = step  # type: ignore[method-assign]
+    return at
+
+
+def test_an_idle_manager_backs_off_and_a_call_wakes_it(tmp_path: Path) -> None:
+    # An idle manager's control thread cycled every control_interval_s (2 ms by
+    # default: 500 wake-ups a second, 5% of a core). With nothing in flight and no
+    # call it now backs off to _IDLE_MAX_S; a call that takes the lock wakes it.
+    from kvstore.tiering import manager as manager_module
+
+    with TierManager.open(config(tmp_path, control_interval_s=0.002)) as tm:
+        tm.offer(keys(2), [page(0), page(1)])
+        assert tm.drain(10)
+        steps = _count_steps(tm)
+        time.sleep(1.0)  # settles into the backoff within ~0.3 s
+        idle = [t for t in steps if t > steps[-1] - 0.5]
+        assert len(idle) <= 0.5 / manager_module._IDLE_MAX_S + 3, len(idle)
+        assert tm._lock.idle
+        before = len(steps)
+        called = time.monotonic()
+        tm.lookup(keys(2))  # a call: the thread cycles at once, not 50 ms later
+        deadline = time.monotonic() + 1.0
+        while len(steps) == before and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert len(steps) > before
+        assert steps[before] - called < 0.02, steps[before] - called
+
+
+def test_a_manager_with_work_in_flight_does_not_back_off(tmp_path: Path) -> None:
+    with TierManager.open(config(tmp_path, control_interval_s=0.002)) as tm:
+        steps = _count_steps(tm)
+        deadline = time.monotonic() + 0.5
+        i = 0
+        while time.monotonic() < deadline:  # a call every few ms keeps it at the interval
+            tm.offer([b"busy%d" % i], [page(i)])
+            i += 1
+            time.sleep(0.004)
+        assert not tm._lock.idle
+        assert len(steps) >= 0.5 / 0.002 / 4, len(steps)  # ~250 at 2 ms; never backed off
+
+
+def test_close_of_an_idle_manager_is_prompt(tmp_path: Path) -> None:
+    tm = TierManager.open(config(tmp_path, control_interval_s=0.002))
+    time.sleep(0.6)
+    assert tm._lock.idle
+    started = time.monotonic()
+    tm.close()
+    assert time.monotonic() - started < 1.0
