@@ -175,6 +175,10 @@ def _measure(
         steps["rest"] = round_ms - steps["queued"] - steps["read"] - steps["verify"]
     theirs_gbps = [nbytes / s / 1e9 for s in mooncake_s]
     ratio = statistics.median(ours_gbps) / statistics.median(theirs_gbps)
+    # Each round's two measurements are minutes apart at most: their ratio, per round,
+    # is less moved by this VM's drift than the ratio of the medians (reported beside
+    # it; the target is judged on the ratio of the medians).
+    paired = statistics.median(a / b for a, b in zip(ours_gbps, theirs_gbps, strict=True))
     return {
         "pages": pages,
         "page_bytes": page_bytes,
@@ -184,6 +188,7 @@ def _measure(
         "kvstore_median_gbps": statistics.median(ours_gbps),
         "mooncake_median_gbps": statistics.median(theirs_gbps),
         "ratio": ratio,
+        "paired_ratio_median": paired,
         "target": 0.8,
         "met": ratio >= 0.8,
         "wrong_bytes": wrong,
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{out['pages']} x {out['page_bytes'] >> 10} KiB per round, {out['rounds']} rounds: "
             f"kvstore {out['kvstore_median_gbps']:.2f} GB/s, Mooncake batch_get_into "
             f"{out['mooncake_median_gbps']:.2f} GB/s (medians): {out['ratio']:.2f}x "
+            f"(per round: median {out['paired_ratio_median']:.2f}x) "
             f"(target >= 0.8: {'met' if out['met'] else 'NOT met'}); wrong bytes "
             f"{out['wrong_bytes']}"
         )
