@@ -91,13 +91,7 @@ class _WakingLock:
         self.wake = threading.Event()
 
     def __enter__(self) -> bool:
-        self._lock.acquire()
-        if threading.get_ident() != self.control:
-            self.calls += 1
-            if self.idle:
-                self.idle = False
-                self.wake.set()
-        return True
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
