@@ -162,6 +162,14 @@ EXTRA_ROWS = (
      "core-s/GB"),
     ("get_many", "CPU per GB: get_many 256 KiB (bytes)", None, None, "cpu_s_per_gb",
      "core-s/GB"),
+    # The CPU targets above are absolute; these put fio's own CPU for the same I/O beside
+    # them (docs/benchmarks.md: the kernel's share differs between machines).
+    ("put_1m", "CPU per GB: put 1 MiB vs fio's own (same syncs)", "seq_write_1m_sync32",
+     "cpu_s_per_gb", "cpu_s_per_gb", "core-s/GB"),
+    ("put_256k", "CPU per GB: put 256 KiB vs fio's own (same syncs)", "seq_write_256k_sync32",
+     "cpu_s_per_gb", "cpu_s_per_gb", "core-s/GB"),
+    ("get_many_into", "CPU per GB: get_many_into 256 KiB vs fio randread QD32's own",
+     "randread_256k_qd32", "cpu_s_per_gb", "cpu_s_per_gb", "core-s/GB"),
     ("get", "get 256 KiB p99 latency (vs fio clat p99)", "randread_256k_qd1",
      "read_clat_p99_us", "p99_us", "us"),
     ("put_1m", "put 1 MiB: batch (32 MiB) latency p50", "seq_write_1m", None, "batch_p50_ms", "ms"),
@@ -296,6 +304,14 @@ class FioResult:
     sys_cpu_pct: float
     loadavg: float
     pressure: dict[str, float]
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        """fio's own CPU (user + system) per 10^9 bytes moved: what the kernel (and, on a
+        virtual machine, the hypervisor's exits) costs the same I/O without kvstore's work.
+        The reference beside kvstore's CPU per GB (fio's percentages are of one CPU)."""
+        mbps = self.read_mbps + self.write_mbps
+        return (self.usr_cpu_pct + self.sys_cpu_pct) * 10.0 / mbps if mbps > 0 else math.nan
 
 
 def _pct_us(stats: dict[str, Any], pct: str) -> float:

@@ -7,7 +7,9 @@ the bench must then say fio is unavailable and still run everything else.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -201,3 +203,46 @@ def test_machine_facts_need_no_fio_for_a_skip_fio_run(tmp_path: Path) -> None:
 
     info = fio_ratios.machine_info(tmp_path, str(tmp_path / "no-fio"))
     assert info["fio"] == "not found"
+
+
+def _fio(profile: str, *, read_mbps: float, write_mbps: float, usr: float, sys: float) -> Any:
+    from kvstore.bench.fio_ratios import FioResult
+
+    nan = float("nan")
+    return FioResult(
+        profile, read_mbps, write_mbps, 0.0, 0.0, nan, nan, nan, nan, nan, nan, nan, nan,
+        10.0, usr, sys, 0.0, {},
+    )  # fmt: skip
+
+
+def test_fios_own_cpu_per_gb_is_the_reference_beside_kvstores() -> None:
+    """fio at 1,161 MB/s using 7.41% of a CPU spent 0.0638 core-s per GB; the report puts
+    that beside kvstore's CPU per GB of the same I/O, with the ratio."""
+    from kvstore.bench.fio_ratios import KvResult, build_rows
+
+    read = _fio("randread_256k_qd32", read_mbps=1161.0, write_mbps=0.0, usr=0.63, sys=6.78)
+    assert read.cpu_s_per_gb == pytest.approx(0.0638, abs=1e-4)
+    write = _fio("seq_write_256k_sync32", read_mbps=0.0, write_mbps=2409.5, usr=10.25, sys=18.96)
+    assert write.cpu_s_per_gb == pytest.approx(0.1212, abs=1e-4)
+    assert math.isnan(_fio("idle", read_mbps=0.0, write_mbps=0.0, usr=1.0, sys=1.0).cpu_s_per_gb)
+
+    def kv(workload: str, cpu: float) -> KvResult:
+        return KvResult(workload, 256 << 10, 1, 1, 1.0, 1.0, 0.0, 0.0, 0, 0.0, {},
+                        cpu_s_per_gb=cpu)  # fmt: skip
+
+    rows = {
+        row.label: row
+        for row in build_rows(
+            {"randread_256k_qd32": read, "seq_write_256k_sync32": write},
+            {"get_many_into": kv("get_many_into", 0.3), "put_256k": kv("put_256k", 0.2)},
+            {},
+        )
+    }
+    into = rows["CPU per GB: get_many_into 256 KiB vs fio randread QD32's own"]
+    assert into.kv == 0.3 and into.fio == pytest.approx(0.0638, abs=1e-4)
+    assert into.ratio == pytest.approx(0.3 / read.cpu_s_per_gb)
+    put = rows["CPU per GB: put 256 KiB vs fio's own (same syncs)"]
+    assert put.ratio == pytest.approx(0.2 / write.cpu_s_per_gb)
+    # The absolute target row is unchanged: no fio column, judged on its bound.
+    target = rows["CPU per GB: get_many_into 256 KiB, aligned"]
+    assert target.fio is None and target.status == "FAIL"
