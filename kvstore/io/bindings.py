@@ -21,10 +21,12 @@ from __future__ import annotations
 import ctypes
 import importlib
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from kvstore.errors import IOFailure
+from kvstore.io.engine import system_iov_max
 
 __all__ = ["BINDING_NAMES", "Binding", "binding_flavour", "load_binding"]
 
@@ -49,6 +51,8 @@ class Binding:
         self.module = module
         self.version: str = str(getattr(module, "__version__", "") or _dist_version())
         self.file: str = str(getattr(module, "__file__", "") or "")
+        # The most buffers one ``iovec`` may gather (a writer's gather list stays within).
+        self.max_iovecs: int = system_iov_max()
 
     def _checked(self, what: str, *args: Any) -> Any:
         """The binding's ``what(*args)``; an ``OSError`` (2026) or a negative
@@ -108,10 +112,36 @@ def _dist_version() -> str:
         return "unknown"
 
 
+def _iovec_limit(make_iovec: Callable[[list[bytes]], Any], wanted: int) -> int:
+    """The longest gather list ``make_iovec`` takes, up to ``wanted``: ``wanted`` if it
+    takes that many, else the longest it takes found by halving, at least 1."""
+    one = [b"\0"]
+    low, high = 0, wanted
+    while low < high:  # the largest n in [1, wanted] that it takes
+        n = (low + high + 1) // 2
+        try:
+            make_iovec(one * n)
+        except (OverflowError, ValueError, MemoryError):
+            high = n - 1
+        else:
+            low = n
+    return max(low, 1)
+
+
 class Liburing2024(Binding):
-    """``liburing`` 2024.x (Cython)."""
+    """``liburing`` 2024.x (Cython).
+
+    Its ``iovec`` refuses more than ``SC_IOV_MAX`` buffers, a constant that 2024.5.3
+    sets to the ``sysconf`` name ``_SC_IOV_MAX`` (60 on Linux), not to the limit that
+    name looks up (1024): a longer gather list raises ``OverflowError``. The limit in
+    force is found once, by asking it (``_iovec_limit``).
+    """
 
     name = "liburing-2024"
+
+    def __init__(self, module: ModuleType) -> None:
+        super().__init__(module)
+        self.max_iovecs = _iovec_limit(module.iovec, self.max_iovecs)
 
     def new_ring(self, entries: int) -> Any:
         ring = self.module.io_uring()

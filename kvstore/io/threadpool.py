@@ -10,6 +10,8 @@ import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from kvstore.io.engine import system_iov_max
+
 __all__ = ["ThreadPoolEngine", "ThreadPoolQueue"]
 
 
@@ -85,6 +87,7 @@ class ThreadPoolEngine:
 
     def __init__(self, depth: int = 64, why: str = "thread pool") -> None:
         self.depth = depth
+        self.max_iovecs = system_iov_max()
         self.why = why
         self._pool = ThreadPoolExecutor(max_workers=min(depth, 32), thread_name_prefix="kvio")
         self._local = threading.local()

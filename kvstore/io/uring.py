@@ -162,6 +162,7 @@ class UringEngine:
     def __init__(self, depth: int = 64, binding: Binding | None = None, why: str = "") -> None:
         self.depth = depth
         self.binding = binding if binding is not None else load_binding()
+        self.max_iovecs = self.binding.max_iovecs
         self.why = why or f"io_uring via {self.binding.name}"
         self._local = threading.local()
         self._queues: list[UringQueue] = []

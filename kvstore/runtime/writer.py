@@ -141,7 +141,8 @@ GATHER_BYTES = 1 << 20
 # A payload at least this large in writable, 4 KiB-aligned memory is written
 # straight from it (zero copy); smaller ones are cheaper to copy than to gather.
 ZERO_COPY_MIN_BYTES = 16 << 10
-# Gather list entries per write at most (IOV_MAX is 1024).
+# Gather list entries per write at most (IOV_MAX is 1024); fewer where the engine takes
+# fewer (``IOEngine.max_iovecs``: the liburing 2024 binding's iovec takes 60).
 _MAX_PIECES = 64
 
 
@@ -176,6 +177,7 @@ class SegmentWriter:
     ) -> None:
         self._state = state
         self._engine = engine
+        self._max_pieces = min(_MAX_PIECES, engine.max_iovecs)
         self._buffers = buffers
         self._io_depth = io_depth
         self._segment_set = segment_set
@@ -287,6 +289,7 @@ class SegmentWriter:
         # reservations are taken (xxhash releases the GIL).
         sums = [checksum(view) for _, view, _ in prepared]
         queue = self._engine.queue()
+        max_pieces = self._max_pieces
         in_flight: dict[int, _PendingWrite] = {}
         error: KVStoreError | None = None
         run: _PendingWrite | None = None  # the write being filled, not yet queued
@@ -350,7 +353,7 @@ class SegmentWriter:
                     run.segment is not segment
                     or run.offset + run.length != offset
                     or run.used + need > run.buffer.capacity
-                    or len(run.pieces) + 3 > _MAX_PIECES
+                    or len(run.pieces) + 3 > max_pieces
                 ):
                     try:
                         queue_run()

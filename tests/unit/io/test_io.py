@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,6 +130,45 @@ def test_write_then_read_back_at_depth(engine: IOEngine, data_fd: int) -> None:
     for index in range(count):
         assert bytes(targets[index].view) == pattern(index, CHUNK), index
     assert queue.in_flight == 0
+
+
+def test_a_gather_as_long_as_the_engine_says_it_takes(engine: IOEngine, data_fd: int) -> None:
+    """``max_iovecs`` is what the engine takes, not what the system allows: the liburing
+    2024 binding's iovec refused more than 60 buffers (its ``SC_IOV_MAX`` is the sysconf
+    name, not the limit), and a writer that gathered 62 raised OverflowError."""
+    assert 16 <= engine.max_iovecs <= 1024
+    count = engine.max_iovecs
+    sources = []
+    for index in range(count):
+        buffer = AlignedBuffer(4096)
+        buffer.view[:] = pattern(index, 4096)
+        sources.append(buffer)
+    queue = engine.queue()
+    queue.writev(data_fd, 0, [b.view for b in sources], 1)
+    queue.submit()
+    assert queue.wait(1) == [(1, count * 4096)]
+    targets = [AlignedBuffer(4096) for _ in range(count)]
+    queue.readv(data_fd, 0, [t.view for t in targets], 2)
+    queue.submit()
+    assert queue.wait(1) == [(2, count * 4096)]
+    assert all(bytes(t.view) == pattern(i, 4096) for i, t in enumerate(targets))
+
+
+def test_the_iovec_limit_is_found_by_asking() -> None:
+    from kvstore.io.bindings import _iovec_limit
+
+    def refuses_over(limit: int) -> Any:
+        def make(buffers: list[bytes]) -> int:
+            if len(buffers) > limit:
+                raise OverflowError(f"{len(buffers)} > {limit}")
+            return len(buffers)
+
+        return make
+
+    assert _iovec_limit(refuses_over(60), 1024) == 60
+    assert _iovec_limit(refuses_over(5000), 1024) == 1024
+    assert _iovec_limit(refuses_over(1), 1024) == 1
+    assert _iovec_limit(refuses_over(0), 1024) == 1  # never below one buffer
 
 
 def test_more_requests_than_the_queue_depth(engine: IOEngine, data_fd: int) -> None:

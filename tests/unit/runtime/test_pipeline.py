@@ -82,6 +82,34 @@ def test_aligned_pages_are_written_straight_from_the_caller(
         assert store.check(deep=True) == []
 
 
+@pytest.mark.parametrize("size", [16 << 10, (20 << 10) + 3, 24 << 10])
+def test_a_batch_of_small_aligned_pages_gathers_within_the_engines_limit(
+    tmp_path: Path, engine_kind: str, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 small pages in place fill a gathered write with two or three pieces each; with
+    the liburing 2024 binding (its iovec takes 60 buffers) put_many raised OverflowError
+    for 16-24 KiB pages until the writer kept to the engine's ``max_iovecs``."""
+    spy = _GatherSpy(monkeypatch)
+    pieces_per_write: list[int] = []
+    real = writer_module._PendingWrite.views
+
+    def views(write: Any) -> list[memoryview]:
+        got = real(write)
+        pieces_per_write.append(len(got))
+        return got
+
+    monkeypatch.setattr(writer_module._PendingWrite, "views", views)
+    data = [os.urandom(size) for _ in range(64)]
+    with _open(tmp_path / "s", engine_kind) as store:
+        store.put_many([(b"k%d" % i, _aligned(d)) for i, d in enumerate(data)], sync=True)
+        assert len(spy.pieces) == 64  # every payload went in place
+        assert max(pieces_per_write) <= store.internals.engine.max_iovecs
+        assert store.get_many([b"k%d" % i for i in range(64)]) == data
+    with KVStore.open(tmp_path / "s", io_engine=engine_kind) as store:
+        assert store.get_many([b"k%d" % i for i in range(64)]) == data
+        assert store.check(deep=True) == []
+
+
 def test_a_batch_mixing_in_place_and_copied_pages_reads_back(
     tmp_path: Path, engine_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
