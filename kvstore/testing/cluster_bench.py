@@ -27,7 +27,9 @@ from typing import Any
 __all__ = ["main", "run"]
 
 
-def run(pages: int, rounds: int, out_dir: Path, poll_s: float = 0.0) -> dict[str, Any]:
+def run(
+    pages: int, rounds: int, out_dir: Path, poll_s: float = 0.0, reader: str = "engine"
+) -> dict[str, Any]:
     import torch
 
     from kvstore.format.remote import REMOTE_HEADER_BYTES, remote_key
@@ -69,12 +71,19 @@ def run(pages: int, rounds: int, out_dir: Path, poll_s: float = 0.0) -> dict[str
             nvme_path=None,
             dram_bytes=3 * pages * PAGE_BYTES,
             remote_max_pages=pages,
+            remote_options={
+                "master": master.address,
+                "segment_bytes": 64 << 20,
+                "reader": reader,
+            },
         )
         tm = TierManager.open(TierConfig(**config))
         try:
-            return _measure(
+            out = _measure(
                 tm, pages, rounds, torch, remote_key, NAMESPACE, PAGE_BYTES, pages_of, poll_s
             )
+            out["reader"] = dict(tm.stats().remote or {}).get("backend", {}).get("reader")
+            return out
         finally:
             tm.close()
     finally:
@@ -216,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="look up again on this timer instead of when a remote call returns",
     )
+    parser.add_argument(
+        "--reader",
+        choices=("engine", "get"),
+        default="engine",
+        help="node B's remote reads: through the transfer engine (the default) or gets",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
-        out = run(args.pages, args.rounds, Path(tmp), args.poll_ms / 1e3)
+        out = run(args.pages, args.rounds, Path(tmp), args.poll_ms / 1e3, args.reader)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -229,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{out['mooncake_median_gbps']:.2f} GB/s (medians): {out['ratio']:.2f}x "
             f"(per round: median {out['paired_ratio_median']:.2f}x) "
             f"(target >= 0.8: {'met' if out['met'] else 'NOT met'}); wrong bytes "
-            f"{out['wrong_bytes']}"
+            f"{out['wrong_bytes']}; reads by {out['reader']}"
         )
         steps = out["kvstore_round_ms"]
         print(

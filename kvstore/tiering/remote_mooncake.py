@@ -12,17 +12,30 @@ straight into a page's whole DRAM slot (``read_into``); only a value smaller tha
 slot (Mooncake scatters into parts of exactly the value's size) costs a size query
 (``batch_get_replica_desc``) and a second read.
 
+Reads through the transfer engine (``reader="engine"``, the default): Mooncake's own
+gets wait for their transfers by polling in a loop on the calling thread (the wheels
+are built without ``USE_EVENT_DRIVEN_COMPLETION``), so a get burns a CPU for as long as
+the bytes take, beside the threads that move them. The backend instead asks the master
+where each value lies (``batch_get_replica_desc``: address, size, holder) and reads it
+with a ``mooncake.engine.TransferEngine`` of its own, asynchronously, piece by piece
+into the same header block and DRAM slot, and waits by sleeping between status checks
+(docs/benchmarks.md, "Remote tier"). The read returns only when every piece has
+finished or failed: a transfer still running can land in no slot given to another page.
+Where that engine cannot start, the backend reads with the client's gets
+(``reader="get"``), and says so in ``describe()``.
+
 Options (``TierConfig.remote_options``): ``master`` ("host:port", required),
 ``hostname`` (this node's address as peers reach it, default 127.0.0.1),
 ``segment_bytes`` (memory lent to the pool, default 256 MiB), ``buffer_bytes``
 (the client's own transfer buffer, default 16 MiB), ``protocol`` ("tcp"),
 ``metadata_server`` ("P2PHANDSHAKE"), ``device`` (RDMA devices, ""), ``prefer_local``
-(true: a node publishes into the memory it lends).
+(true: a node publishes into the memory it lends), ``reader`` ("engine" or "get").
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +56,12 @@ _OBJECT_NOT_FOUND = -704
 _BUFFER_OVERFLOW = -600
 _TRANSFER_FAIL = -800
 _RPC_FAIL = -900
+
+READERS = ("engine", "get")
+# A transfer engine read's status checks: first this often, then less often while it
+# lasts (a hung peer's read is polled until it ends, as a get would block until then).
+_POLL_S = (0.0003, 0.002, 0.01)
+_POLL_SLOWER_AFTER_S = (0.1, 1.0)
 
 
 def reason_of(code: int) -> str:
@@ -89,6 +108,13 @@ class MooncakeBackend(RemoteBackend):
         # A node's pages go into the memory it lends (then a node's loss loses its own
         # pages only); False: wherever the master places them.
         self.prefer_local = bool(self.options.get("prefer_local", True))
+        self.reader = str(self.options.get("reader", "engine"))
+        if self.reader not in READERS:
+            raise ValueError(
+                f"remote_options['reader'] must be one of {', '.join(READERS)}, got {self.reader!r}"
+            )
+        self._engine: Any = None  # the TransferEngine reads go through (reader="engine")
+        self.engine_error: str | None = None  # why reads fell back to gets, if they did
         self._client: Any = None
         self._replicate: Any = None
         self._registered: list[tuple[int, int]] = []
@@ -132,6 +158,26 @@ class MooncakeBackend(RemoteBackend):
         old, self._client = self._client, client
         if old is not None:
             old.close()
+        if self.reader == "engine" and self._engine is None and self.engine_error is None:
+            self._start_engine()
+
+    def _start_engine(self) -> None:
+        """The transfer engine the reads go through; on any failure, gets instead."""
+        try:
+            from mooncake.engine import TransferEngine
+
+            engine = TransferEngine()
+            rc = engine.initialize(self.hostname, self.metadata_server, self.protocol, self.device)
+            if rc != 0:
+                raise RemoteError(f"initialize: {rc}")
+            for address, nbytes in self._registered:
+                rc = engine.register_memory(address, nbytes)
+                if rc != 0:
+                    raise RemoteError(f"register_memory of {nbytes} bytes: {rc}")
+        except Exception as e:
+            self.engine_error = f"{type(e).__name__}: {e}"
+            return
+        self._engine = engine
 
     def register(self, address: int, nbytes: int) -> None:
         self._registered.append((address, nbytes))
@@ -139,6 +185,9 @@ class MooncakeBackend(RemoteBackend):
             rc = self._client.register_buffer(address, nbytes)
             if rc != 0:
                 raise RemoteError(f"register_buffer of {nbytes} bytes failed ({rc})")
+        if self._engine is not None and self._engine.register_memory(address, nbytes) != 0:
+            self._engine = None
+            self.engine_error = f"register_memory of {nbytes} bytes failed"
 
     def _live(self) -> Any:
         if self._client is None:
@@ -166,6 +215,87 @@ class MooncakeBackend(RemoteBackend):
         return [(c, "") if c >= 0 else (0, reason_of(c)) for c in codes]
 
     def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        """Each value scattered into its parts from their start: through the transfer
+        engine (the module docstring), else by the client's gets."""
+        engine = self._engine
+        if engine is not None:
+            return self._read_by_engine(engine, keys, parts)
+        return self._read_by_get(keys, parts)
+
+    def _read_by_engine(
+        self, engine: Any, keys: Sequence[str], parts: Sequence[list[Part]]
+    ) -> list[tuple[int, str]]:
+        """Where each value lies (one query), then its pieces read asynchronously, one
+        batch per piece (the engine's non-blocking status check answers for a batch's
+        first piece only); returns when every batch has finished or failed."""
+        found = self._live().batch_get_replica_desc(list(keys))
+        out: list[tuple[int, str]] = [(0, "absent")] * len(keys)
+        batches: list[tuple[int, int]] = []  # (batch id, key index), in submission order
+        elsewhere: list[int] = []  # only on a disk replica: the client's get reads those
+        for i, key in enumerate(keys):
+            where = None
+            replicas = found.get(key, ())
+            for replica in replicas:
+                if replica.is_memory_replica():
+                    where = replica.get_memory_descriptor().buffer_descriptor
+                    break
+            if where is None:
+                if replicas:
+                    elsewhere.append(i)
+                continue
+            size = int(where.size)
+            if size > sum(n for _, n in parts[i]):
+                out[i] = (0, "too_large")
+                continue
+            out[i] = (size, "")
+            holder = str(where.transport_endpoint)
+            remote = int(where.buffer_address)
+            for address, nbytes in cut_parts(parts[i], size):
+                batch = engine.batch_transfer_async_read(holder, [address], [remote], [nbytes])
+                remote += nbytes
+                if not batch:  # refused at submission: nothing of it is in flight
+                    out[i] = (0, "transfer")
+                else:
+                    batches.append((batch, i))
+        for i in self._wait_all(engine, batches):
+            out[i] = (0, "transfer")
+        if elsewhere:
+            got = self._read_by_get([keys[i] for i in elsewhere], [parts[i] for i in elsewhere])
+            for i, result in zip(elsewhere, got, strict=True):
+                out[i] = result
+        return out
+
+    @staticmethod
+    def _wait_all(engine: Any, batches: list[tuple[int, int]]) -> set[int]:
+        """Sleep until every batch has finished or failed; the key indices that failed.
+        Transfers finish about in order: the newest is watched, the rest swept after."""
+        failed: set[int] = set()
+        pending = list(batches)
+        started = time.monotonic()
+        while pending:
+            batch, index = pending[-1]
+            status = engine.transfer_check_status(batch)
+            if status == 0 or status == -2:  # running, or late (it may still land)
+                waited = time.monotonic() - started
+                slower = sum(waited > after for after in _POLL_SLOWER_AFTER_S)
+                time.sleep(_POLL_S[slower])
+                continue
+            pending.pop()
+            if status < 0:
+                failed.add(index)
+            still: list[tuple[int, int]] = []
+            for batch, index in pending:
+                status = engine.transfer_check_status(batch)
+                if status == 0 or status == -2:
+                    still.append((batch, index))
+                elif status < 0:
+                    failed.add(index)
+            pending = still
+        return failed
+
+    def _read_by_get(
+        self, keys: Sequence[str], parts: Sequence[list[Part]]
+    ) -> list[tuple[int, str]]:
         """One scattered read into the whole parts (the master's lookup of each key is
         inside Mooncake's get: no size query first). Mooncake 0.3.13 moves a value
         scattered only into parts of exactly its size, and answers a transfer failure
@@ -234,9 +364,12 @@ class MooncakeBackend(RemoteBackend):
             "hostname": self.hostname,
             "protocol": self.protocol,
             "segment_bytes": self.segment_bytes,
+            "reader": "engine" if self._engine is not None else "get",
+            **({"reader_fallback": self.engine_error} if self.engine_error else {}),
         }
 
     def close(self) -> None:
         client, self._client = self._client, None
+        self._engine = None
         if client is not None:
             client.close()

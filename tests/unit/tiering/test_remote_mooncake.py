@@ -62,6 +62,7 @@ def test_b_finds_a_s_pages_remote_loads_them_bit_exact_and_admits_them(
     assert got["first_pending"] == 8 and got["first_lookup_s"] < 0.1
     assert (got["hit"], got["loaded"], got["wrong_bytes"]) == (8, 8, 0)
     stats = b.call("stats")
+    assert stats["remote"]["backend"]["reader"] == "engine"  # the reads that do not spin
     assert stats["remote"]["hits"] == 8 and stats["remote"]["misses"] == 0
     assert stats["pages_by_tier"][1] == 8  # admitted into B's DRAM
     assert stats["remote"]["bandwidth"]["remote_read"]["samples"] >= 0
@@ -139,20 +140,37 @@ def test_a_hung_peer_is_a_late_miss_and_local_serving_goes_on(
     assert b.call("wait_up", timeout_s=30)["state"] == "up"
 
 
+@pytest.mark.parametrize("reader", ["engine", "get", "engine-unavailable"])
 def test_read_into_a_slot_larger_than_the_value_falls_back_to_its_size(
-    master: MooncakeMaster,
+    master: MooncakeMaster, reader: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Mooncake 0.3.13 scatters a value only into parts of exactly its size (a transfer
-    # failure otherwise): a value smaller than its slot is read again, cut to its size.
+    # Mooncake 0.3.13's get scatters a value only into parts of exactly its size (a
+    # transfer failure otherwise): a value smaller than its slot is read again, cut to
+    # its size. The transfer engine reader asks the sizes first. Where that engine
+    # cannot start, the backend reads with gets and says why.
     import numpy as np
 
     from kvstore.tiering.remote_mooncake import MooncakeBackend
 
-    backend = MooncakeBackend({"master": master.address, "segment_bytes": 16 << 20})
+    if reader == "engine-unavailable":
+        import mooncake.engine
+
+        class Broken:
+            def initialize(self, *args: object) -> int:
+                return -1
+
+        monkeypatch.setattr(mooncake.engine, "TransferEngine", Broken)
+    options = {"master": master.address, "segment_bytes": 16 << 20}
+    if reader == "get":
+        options["reader"] = "get"
+    backend = MooncakeBackend(options)
     buffer = np.zeros(3 * 8192, dtype=np.uint8)
     backend.register(buffer.ctypes.data, buffer.nbytes)
     backend.connect()
     try:
+        described = backend.describe()
+        assert described["reader"] == ("engine" if reader == "engine" else "get")
+        assert ("reader_fallback" in described) == (reader == "engine-unavailable")
         full, small = bytes(range(256)) * 32, b"kv" * 1000  # 8192 and 2000 bytes
         assert backend.client.put("full", full) == 0
         assert backend.client.put("small", small) == 0

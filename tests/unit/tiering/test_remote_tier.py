@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -368,3 +369,102 @@ def test_pages_written_through_to_nvme_are_published_too(cluster: str, tmp_path:
         _until(b, lambda: _up(b))
         assert _fetch(b, keys) == 4
         assert all(torch.equal(x, y) for x, y in zip(_load(b, keys), srcs, strict=True))
+
+
+def test_a_transfer_engine_read_returns_only_when_every_piece_has_ended() -> None:
+    """The non-spinning reader sleeps between status checks and returns only when every
+    batch has finished (1) or failed (-1): running (0) and late (-2) batches may still
+    write into their slots, so the call waits them out, however long."""
+    from kvstore.tiering.remote_mooncake import MooncakeBackend
+
+    class Engine:
+        def __init__(self, scripts: dict[int, list[int]]) -> None:
+            self.scripts = scripts
+            self.checks = 0
+
+        def transfer_check_status(self, batch: int) -> int:
+            self.checks += 1
+            script = self.scripts[batch]
+            return script.pop(0) if len(script) > 1 else script[0]
+
+    # batch -> statuses it answers in turn (the last repeats); batch 3 is late twice
+    engine = Engine({1: [0, 1], 2: [0, 0, -1], 3: [0, -2, -2, 1], 4: [1]})
+    started = time.monotonic()
+    failed = MooncakeBackend._wait_all(engine, [(1, 0), (2, 0), (3, 1), (4, 2)])
+    assert failed == {0}  # key 0's second piece failed; keys 1 and 2 arrived
+    assert all(len(script) == 1 and script[0] != 0 for script in engine.scripts.values())
+    assert engine.scripts[3] == [1]  # the late batch was waited for until it ended
+    assert time.monotonic() - started < 1.0
+    assert MooncakeBackend._wait_all(engine, []) == set()
+
+
+def test_the_mooncake_reader_option_is_checked() -> None:
+    from kvstore.tiering.remote_mooncake import MooncakeBackend
+
+    with pytest.raises(ValueError, match="reader"):
+        MooncakeBackend({"master": "127.0.0.1:1", "reader": "fast"})
+    assert MooncakeBackend({"master": "127.0.0.1:1"}).reader == "engine"
+
+
+def test_the_transfer_engine_reader_reads_each_piece_where_the_master_says() -> None:
+    """Per key: where the master says its value lies (address, size, holder), read piece
+    by piece into the parts from their start; absent, too large, refused at submission
+    and failed are misses by reason; a value with only a disk replica is read by get."""
+    from types import SimpleNamespace
+
+    from kvstore.tiering.remote_mooncake import MooncakeBackend
+
+    def replica(memory: bool, address: int = 0, size: int = 0) -> Any:
+        where = SimpleNamespace(buffer_address=address, size=size, transport_endpoint="a:1")
+        return SimpleNamespace(
+            is_memory_replica=lambda: memory,
+            get_memory_descriptor=lambda: SimpleNamespace(buffer_descriptor=where),
+        )
+
+    found = {
+        "fits": [replica(True, 1000, 6000)],
+        "big": [replica(True, 2000, 9000)],
+        "disk": [replica(False)],
+        "refused": [replica(True, 3000, 100)],
+        "fails": [replica(True, 4000, 4096)],
+    }
+
+    class Engine:
+        def __init__(self) -> None:
+            self.reads: list[tuple[str, list[int], list[int], list[int]]] = []
+
+        def batch_transfer_async_read(
+            self, holder: str, local: list[int], remote: list[int], lengths: list[int]
+        ) -> int:
+            if remote[0] == 3000:
+                return 0  # refused
+            self.reads.append((holder, local, remote, lengths))
+            return len(self.reads)
+
+        def transfer_check_status(self, batch: int) -> int:
+            return -1 if self.reads[batch - 1][2][0] == 4000 else 1
+
+    backend = MooncakeBackend({"master": "127.0.0.1:1"})
+    backend._client = SimpleNamespace(batch_get_replica_desc=lambda keys: found)
+    by_get: list[list[str]] = []
+
+    def read_by_get(keys: list[str], parts: list[Any]) -> list[tuple[int, str]]:
+        by_get.append(keys)
+        return [(77, "")] * len(keys)
+
+    backend._read_by_get = read_by_get  # type: ignore[method-assign]
+    engine = Engine()
+    keys = ["fits", "big", "disk", "refused", "fails", "none"]
+    parts = [[(10_000 * i, 4096), (10_000 * i + 5000, 4096)] for i in range(len(keys))]
+    got = backend._read_by_engine(engine, keys, parts)
+    assert got == [
+        (6000, ""),
+        (0, "too_large"),
+        (77, ""),
+        (0, "transfer"),
+        (0, "transfer"),
+        (0, "absent"),
+    ]
+    assert by_get == [["disk"]]
+    # "fits": its header block part whole, then the rest of the value into the slot
+    assert engine.reads[:2] == [("a:1", [0], [1000], [4096]), ("a:1", [5000], [5096], [1904])]
