@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from kvstore.errors import IOFailure
-from kvstore.io.engine import system_iov_max
+from kvstore.io.files import system_iov_max
 
 __all__ = ["BINDING_NAMES", "Binding", "binding_flavour", "load_binding"]
 

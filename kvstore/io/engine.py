@@ -51,16 +51,6 @@ class IOQueue(Protocol):
         ...
 
 
-def system_iov_max() -> int:
-    """``IOV_MAX`` here: the most buffers one ``readv``/``writev`` may gather (1024 on
-    Linux; 16 is the least POSIX allows)."""
-    try:
-        value = os.sysconf("SC_IOV_MAX")
-    except (ValueError, OSError):
-        return 1024
-    return value if value >= 16 else 1024
-
-
 class IOEngine(Protocol):
     name: str
     depth: int

@@ -21,6 +21,7 @@ __all__ = [
     "open_data_file",
     "probe_direct_io",
     "probe_direct_read",
+    "system_iov_max",
     "write_file_durably",
 ]
 
@@ -158,3 +159,13 @@ def acquire_writer_lock(root: Path, *, record_pid: bool = True) -> int:
             os.close(fd)  # never keep the lock after a failed open
             raise IOFailure(f"cannot record the writer's pid in {path}", e.errno) from e
     return fd
+
+
+def system_iov_max() -> int:
+    """``IOV_MAX`` here: the most buffers one ``readv``/``writev`` may gather (1024 on
+    Linux; 16 is the least POSIX allows)."""
+    try:
+        value = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        return 1024
+    return value if value >= 16 else 1024

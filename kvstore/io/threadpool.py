@@ -10,7 +10,7 @@ import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from kvstore.io.engine import system_iov_max
+from kvstore.io.files import system_iov_max
 
 __all__ = ["ThreadPoolEngine", "ThreadPoolQueue"]
 
