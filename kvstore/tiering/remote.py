@@ -86,13 +86,21 @@ class RemoteBackend(abc.ABC):
     def get_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
         """Read each value scattered into its parts (their sizes add up to the value's)."""
 
-    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+    def read_into(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[list[Part]],
+        landed: Callable[[int, int], None] | None = None,
+    ) -> list[tuple[int, str]]:
         """Read each value into its parts without knowing its size first: the parts
         may hold more than the value (a page's whole DRAM slot), which fills them in
         order; ``nbytes`` is the value's size. ``absent`` where the cluster holds
         none, ``too_large`` where it does not fit. This default asks the sizes and
         then reads exactly (two round trips); a backend whose read takes a larger
-        destination at once overrides it."""
+        destination at once overrides it. ``landed(i, nbytes)``: a backend that sees
+        values arrive one by one may say so for each value wholly in its parts (and
+        never written again by this call), so the caller can check it while the
+        rest are on their way; the result stays the word."""
         sizes = self.sizes(keys)
         out: list[tuple[int, str]] = [(0, "absent")] * len(keys)
         asked: list[int] = []
@@ -357,7 +365,12 @@ class MemoryBackend(RemoteBackend):
             out.append((len(value), ""))
         return out
 
-    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+    def read_into(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[list[Part]],
+        landed: Callable[[int, int], None] | None = None,
+    ) -> list[tuple[int, str]]:
         self._reachable()
         out: list[tuple[int, str]] = []
         for key, value_parts in zip(keys, parts, strict=True):

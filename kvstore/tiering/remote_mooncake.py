@@ -19,7 +19,8 @@ the bytes take, beside the threads that move them. The backend instead asks the 
 where each value lies (``batch_get_replica_desc``: address, size, holder) and reads it
 with a ``mooncake.engine.TransferEngine`` of its own, asynchronously, piece by piece
 into the same header block and DRAM slot, and waits by sleeping between status checks
-(docs/benchmarks.md, "Remote tier"). The read returns only when every piece has
+(docs/benchmarks.md, "Remote tier"), telling the caller of each value as it lands (the
+tier verifies it then, while the rest are on their way). The read returns only when every piece has
 finished or failed: a transfer still running can land in no slot given to another page.
 Where that engine cannot start, the backend reads with the client's gets
 (``reader="get"``), and says so in ``describe()``.
@@ -36,7 +37,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvstore.tiering.remote import (
@@ -214,16 +216,26 @@ class MooncakeBackend(RemoteBackend):
         )
         return [(c, "") if c >= 0 else (0, reason_of(c)) for c in codes]
 
-    def read_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+    def read_into(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[list[Part]],
+        landed: Callable[[int, int], None] | None = None,
+    ) -> list[tuple[int, str]]:
         """Each value scattered into its parts from their start: through the transfer
-        engine (the module docstring), else by the client's gets."""
+        engine (the module docstring; ``landed`` is told of each value as it arrives),
+        else by the client's gets."""
         engine = self._engine
         if engine is not None:
-            return self._read_by_engine(engine, keys, parts)
+            return self._read_by_engine(engine, keys, parts, landed)
         return self._read_by_get(keys, parts)
 
     def _read_by_engine(
-        self, engine: Any, keys: Sequence[str], parts: Sequence[list[Part]]
+        self,
+        engine: Any,
+        keys: Sequence[str],
+        parts: Sequence[list[Part]],
+        landed: Callable[[int, int], None] | None = None,
     ) -> list[tuple[int, str]]:
         """Where each value lies (one query), then its pieces read asynchronously, one
         batch per piece (the engine's non-blocking status check answers for a batch's
@@ -257,7 +269,15 @@ class MooncakeBackend(RemoteBackend):
                     out[i] = (0, "transfer")
                 else:
                     batches.append((batch, i))
-        for i in self._wait_all(engine, batches):
+        told = None
+        if landed is not None:
+
+            def told(i: int) -> None:
+                nbytes, reason = out[i]
+                if not reason:  # not a key with a piece refused at submission
+                    landed(i, nbytes)
+
+        for i in self._wait_all(engine, batches, told):
             out[i] = (0, "transfer")
         if elsewhere:
             got = self._read_by_get([keys[i] for i in elsewhere], [parts[i] for i in elsewhere])
@@ -266,31 +286,32 @@ class MooncakeBackend(RemoteBackend):
         return out
 
     @staticmethod
-    def _wait_all(engine: Any, batches: list[tuple[int, int]]) -> set[int]:
+    def _wait_all(
+        engine: Any, batches: list[tuple[int, int]], landed: Callable[[int], None] | None = None
+    ) -> set[int]:
         """Sleep until every batch has finished or failed; the key indices that failed.
-        Transfers finish about in order: the newest is watched, the rest swept after."""
+        The oldest batch is watched (transfers finish about in order); ``landed(i)`` for
+        each key whose batches have all finished, as soon as they have."""
         failed: set[int] = set()
-        pending = list(batches)
+        left: dict[int, int] = {}  # key index -> its batches not yet ended
+        for _, index in batches:
+            left[index] = left.get(index, 0) + 1
+        pending = deque(batches)
         started = time.monotonic()
         while pending:
-            batch, index = pending[-1]
+            batch, index = pending[0]
             status = engine.transfer_check_status(batch)
             if status == 0 or status == -2:  # running, or late (it may still land)
                 waited = time.monotonic() - started
                 slower = sum(waited > after for after in _POLL_SLOWER_AFTER_S)
                 time.sleep(_POLL_S[slower])
                 continue
-            pending.pop()
+            pending.popleft()
             if status < 0:
                 failed.add(index)
-            still: list[tuple[int, int]] = []
-            for batch, index in pending:
-                status = engine.transfer_check_status(batch)
-                if status == 0 or status == -2:
-                    still.append((batch, index))
-                elif status < 0:
-                    failed.add(index)
-            pending = still
+            left[index] -= 1
+            if not left[index] and index not in failed and landed is not None:
+                landed(index)
         return failed
 
     def _read_by_get(

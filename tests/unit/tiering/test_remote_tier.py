@@ -456,7 +456,9 @@ def test_the_transfer_engine_reader_reads_each_piece_where_the_master_says() -> 
     engine = Engine()
     keys = ["fits", "big", "disk", "refused", "fails", "none"]
     parts = [[(10_000 * i, 4096), (10_000 * i + 5000, 4096)] for i in range(len(keys))]
-    got = backend._read_by_engine(engine, keys, parts)
+    told: list[tuple[int, int]] = []
+    got = backend._read_by_engine(engine, keys, parts, lambda i, n: told.append((i, n)))
+    assert told == [(0, 6000)]  # wholly landed: only "fits" (not refused, failed, by get)
     assert got == [
         (6000, ""),
         (0, "too_large"),
