@@ -210,6 +210,14 @@ class MooncakeBackend(RemoteBackend):
         return out
 
     def get_into(self, keys: Sequence[str], parts: Sequence[list[Part]]) -> list[tuple[int, str]]:
+        engine = self._engine
+        if engine is not None:
+            return self._read_by_engine(engine, keys, parts)
+        return self._client_get_into(keys, parts)
+
+    def _client_get_into(
+        self, keys: Sequence[str], parts: Sequence[list[Part]]
+    ) -> list[tuple[int, str]]:
         client = self._live()
         codes = client.batch_get_into_multi_buffers(
             list(keys), [[a for a, _ in p] for p in parts], [[n for _, n in p] for p in parts]
@@ -322,7 +330,7 @@ class MooncakeBackend(RemoteBackend):
         scattered only into parts of exactly its size, and answers a transfer failure
         (-800) for a smaller value: those keys, and only those, are asked their size
         and read again into parts cut to it."""
-        got = self.get_into(keys, parts)
+        got = self._client_get_into(keys, parts)
         again = [i for i, (_, reason) in enumerate(got) if reason == "transfer"]
         if not again:
             return got
@@ -339,7 +347,7 @@ class MooncakeBackend(RemoteBackend):
                 asked.append(i)
                 cut.append(cut_parts(parts[i], size))
         if asked:
-            retried = self.get_into([keys[i] for i in asked], cut)
+            retried = self._client_get_into([keys[i] for i in asked], cut)
             for i, result in zip(asked, retried, strict=True):
                 got[i] = result
         return got

@@ -180,6 +180,10 @@ def test_read_into_a_slot_larger_than_the_value_falls_back_to_its_size(
         assert got == [(8192, ""), (2000, ""), (0, "absent")]
         assert buffer[:8192].tobytes() == full
         assert buffer[8192 : 8192 + 2000].tobytes() == small
+        buffer[:] = 0  # and a read of exact sizes (the lookup that asked the sizes first)
+        got = backend.get_into(["small", "full"], [[(base, 2000)], [(base + 8192, 8192)]])
+        assert got == [(2000, ""), (8192, "")]
+        assert buffer[:2000].tobytes() == small and buffer[8192:16384].tobytes() == full
     finally:
         backend.close()
 
