@@ -20,10 +20,10 @@ where each value lies (``batch_get_replica_desc``: address, size, holder) and re
 with a ``mooncake.engine.TransferEngine`` of its own, asynchronously, piece by piece
 into the same header block and DRAM slot, and waits by sleeping between status checks
 (docs/benchmarks.md, "Remote tier"), telling the caller of each value as it lands (the
-tier verifies it then, while the rest are on their way). The read returns only when every piece has
-finished or failed: a transfer still running can land in no slot given to another page.
-Where that engine cannot start, the backend reads with the client's gets
-(``reader="get"``), and says so in ``describe()``.
+tier verifies it then, while the rest are on their way). The read returns only when
+every piece has finished or failed: a transfer still running can land in no slot given
+to another page. Where that engine cannot start, the backend reads with the client's
+gets (``reader="get"``), and says so in ``describe()``.
 
 Options (``TierConfig.remote_options``): ``master`` ("host:port", required),
 ``hostname`` (this node's address as peers reach it, default 127.0.0.1),
