@@ -30,16 +30,24 @@ def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
         yield m
 
 
-def _node(tmp_path: Path, name: str, master: MooncakeMaster) -> Node:
-    node = Node(node_config(str(tmp_path / name), master.address), tmp_path / f"{name}.log")
+def _node(tmp_path: Path, name: str, master: MooncakeMaster, reader: str = "engine") -> Node:
+    options = {"master": master.address, "segment_bytes": 64 << 20, "reader": reader}
+    node = Node(
+        node_config(str(tmp_path / name), master.address, remote_options=options),
+        tmp_path / f"{name}.log",
+    )
     assert node.call("wait_up")["state"] == "up"
     return node
 
 
-@pytest.fixture
-def nodes(tmp_path: Path, master: MooncakeMaster) -> Iterator[tuple[Node, Node]]:
-    a = _node(tmp_path, "a", master)
-    b = _node(tmp_path, "b", master)
+# Every fault runs on both readers: the transfer engine's (the default) and the client's
+# gets (the fallback where the engine cannot start, or asked for).
+@pytest.fixture(params=["engine", "get"])
+def nodes(
+    tmp_path: Path, master: MooncakeMaster, request: pytest.FixtureRequest
+) -> Iterator[tuple[Node, Node]]:
+    a = _node(tmp_path, "a", master, request.param)
+    b = _node(tmp_path, "b", master, request.param)
     yield a, b
     for node in (a, b):
         node.signal(signal.SIGCONT)
@@ -62,7 +70,8 @@ def test_b_finds_a_s_pages_remote_loads_them_bit_exact_and_admits_them(
     assert got["first_pending"] == 8 and got["first_lookup_s"] < 0.1
     assert (got["hit"], got["loaded"], got["wrong_bytes"]) == (8, 8, 0)
     stats = b.call("stats")
-    assert stats["remote"]["backend"]["reader"] == "engine"  # the reads that do not spin
+    assert stats["remote"]["backend"]["reader"] in ("engine", "get")  # as asked: no fallback
+    assert "reader_fallback" not in stats["remote"]["backend"]
     assert stats["remote"]["hits"] == 8 and stats["remote"]["misses"] == 0
     assert stats["pages_by_tier"][1] == 8  # admitted into B's DRAM
     assert stats["remote"]["bandwidth"]["remote_read"]["samples"] >= 0
