@@ -213,6 +213,8 @@ class Placement:
         slot = self._alloc(DRAM)
         if slot is None:
             self._bump("admission:dram:full")
+            if self._state.leaving[DRAM]:  # the allocation started their write-back
+                return None, "declined: DRAM full (its pages are being written to NVMe)"
             return None, "declined: DRAM full (every page pinned or in flight)"
         rec.dram_slot = slot
         counters["admission:dram:admitted"] = counters.get("admission:dram:admitted", 0) + 1

@@ -235,6 +235,23 @@ def test_everything_pinned_declines_without_raising() -> None:
         assert "full" in out.reasons[0]
 
 
+def test_a_decline_while_dram_is_being_written_back_says_so(tmp_path: Path) -> None:
+    """A full DRAM of pages not yet on NVMe: the allocation starts their write-back and
+    the offer is declined; the reason says that, not "every page pinned or in flight"
+    (none was). No control thread: nothing cleans DRAM ahead of the second offer."""
+    cfg = config(tmp_path, hbm_bytes=0, dram_bytes=12 * SLOT, control_interval_s=0)
+    with TierManager.open(cfg) as tm:
+        first = tm.offer(keys(10, "a"), [page(i) for i in range(10)])
+        assert first.reasons == ("admitted",) * 10
+        tm.drain()
+        second = tm.offer(keys(10, "b"), [page(10 + i) for i in range(10)])
+        declined = [r for r in second.reasons if r.startswith("declined: DRAM full")]
+        assert declined, second.reasons
+        assert all("written to NVMe" in r for r in declined), declined
+        assert tm.drain()
+        assert tm.stats().pages_by_tier[2] > 0  # the write-back the decline started
+
+
 def test_bad_input_is_refused_before_anything_changes() -> None:
     with TierManager.open(config(None)) as tm:
         with pytest.raises(ValueError, match="sources"):
