@@ -93,6 +93,8 @@ _STORE_OPTIONS = (
 )
 # How often, at most, pages the store evicted on its own are looked for.
 _RECONCILE_INTERVAL_S = 1.0
+# A store task waits at most this long for pages another task is writing.
+_STORE_WAIT_S = 30.0
 _log = logging.getLogger(__name__)
 
 
@@ -251,6 +253,8 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._lock = threading.Lock()  # _entries, _storing, and pin-vs-delete decisions
         self._entries: dict[bytes, _Entry] = {}
         self._storing: set[bytes] = set()
+        # Told whenever a store task's pages leave ``_storing`` (written or failed).
+        self._stored = threading.Condition(self._lock)
         self._task_ids = itertools.count()
         self._stores_done: dict[int, L2StoreResult] = {}
         self._lookups_done: dict[int, Bitmap] = {}
@@ -414,16 +418,22 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- the work (on the worker threads) ------------------------------------------
 
     def _store_pages(self, keys: list[ObjectKey], objects: list[Any]) -> L2StoreResult:
-        """Write the pages not stored yet; bytes written, 0 for keys already there."""
+        """Write the pages not stored yet; bytes written, 0 for keys already there.
+
+        A key another task is writing is not written twice, but this task finishes
+        only once that write has ended: a finished store means its keys can be found
+        (unless that other write failed, or the store evicted them since)."""
         self._reconcile()
         max_page_bytes = self.store.config.max_page_bytes
         success = True
         todo: list[tuple[bytes, ObjectKey, memoryview]] = []
         vanished: list[_Entry] = []
+        elsewhere: set[bytes] = set()  # keys another task is writing
         with self._lock:
             for key, obj in zip(keys, objects, strict=True):
                 raw = page_key(key)
                 if raw in self._storing:  # by another task, or earlier in this batch
+                    elsewhere.add(raw)
                     continue
                 entry = self._entries.get(raw)
                 if entry is not None:
@@ -466,6 +476,13 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                     self._storing.discard(raw)
                 for entry in stored:
                     self._entries[page_key(entry.key)] = entry
+                self._stored.notify_all()
+                elsewhere.difference_update(raw for raw, _, _ in todo)  # this batch's own
+                if elsewhere:  # its own pages are out of _storing: no two wait on each other
+                    self._stored.wait_for(
+                        lambda: self._closed or not (elsewhere & self._storing),
+                        _STORE_WAIT_S,
+                    )
         if stored:
             self._notify_keys_stored(
                 [entry.key for entry in stored], [entry.size_bytes for entry in stored]
@@ -665,6 +682,8 @@ class KVStoreL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            self._stored.notify_all()  # a store waiting for another's pages: finish now
         self._executor.shutdown(wait=True)
         self.store.close()
         self._store_event.close()

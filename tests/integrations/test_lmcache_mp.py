@@ -530,6 +530,50 @@ def test_list_l2_keys_pages_and_filters(adapter: KVStoreL2Adapter) -> None:
 # -- concurrency, eviction, lifecycle ----------------------------------------------------
 
 
+def test_a_finished_store_means_its_keys_are_found_even_when_another_task_wrote_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store task skips a key another task is writing (no page written twice), but
+    finishes only when that write has: LMCache looks a stored key up right after the
+    store completes. Before, the second task finished at once and the lookup missed
+    (the concurrent test below failed so, now and then, in CI)."""
+    adapter = open_adapter(tmp_path / "kv", io_threads=3)
+    from kvstore.integrations.lmcache_mp import page_key
+
+    shared, own = object_key(7001), object_key(7002)
+    shared_raw = page_key(shared)
+    release = threading.Event()
+    real = adapter.store.put_many
+
+    def slow_first(items: Any, **kwargs: Any) -> Any:
+        if any(raw == shared_raw for raw, *_ in items):
+            release.wait(10)  # the first task's write of the shared key is slow
+        return real(items, **kwargs)
+
+    monkeypatch.setattr(adapter.store, "put_many", slow_first)
+    try:
+        data = {k: payload(i, 512) for i, k in enumerate((shared, own))}
+        first = adapter.submit_store_task([shared], [memory_obj(data[shared])])
+        assert wait_until(lambda: len(adapter._storing) == 1)
+        second = adapter.submit_store_task([shared, own], [memory_obj(d) for d in data.values()])
+        time.sleep(0.3)
+        done = adapter.pop_completed_store_tasks()
+        assert second not in done, "finished while the shared key was still being written"
+        release.set()
+        finished: dict[int, Any] = dict(done)
+
+        def both() -> bool:
+            finished.update(adapter.pop_completed_store_tasks())
+            return first in finished and second in finished
+
+        assert wait_until(both)
+        assert lookup(adapter, [shared, own]) == [True, True]
+        adapter.submit_unlock([shared, own])
+    finally:
+        release.set()
+        adapter.close()
+
+
 def test_concurrent_submits_from_threads(tmp_path: Path) -> None:
     """The store and prefetch controllers call from their own threads; so do these."""
     adapter = open_adapter(tmp_path / "kv", io_threads=3)
