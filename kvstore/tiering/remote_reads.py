@@ -320,6 +320,9 @@ class RemoteReads:
         def fits(nbytes: int, n: int) -> bool:
             return _HDR < nbytes <= _HDR + n and (direct or nbytes == _HDR + n)
 
+        def outcome(page: RemotePage | str) -> tuple[RemotePage | None, str]:
+            return (None, page) if isinstance(page, str) else (page, "")
+
         def read() -> list[tuple[RemotePage | None, str]]:
             # A value the backend says has wholly landed is verified at once, while the
             # rest are on their way; the others are verified in one pass after.
@@ -362,8 +365,7 @@ class RemoteReads:
                 elif not fits(nbytes, n):
                     out.append((None, "short"))
                 elif at in early and early[at][0] == nbytes:
-                    page = early[at][1]
-                    out.append((None, page) if isinstance(page, str) else (page, ""))
+                    out.append(outcome(early[at][1]))
                 else:
                     out.append((None, "unverifiable"))  # until verified below
                     check.append(at)
@@ -376,7 +378,7 @@ class RemoteReads:
                     max_payload_bytes=limit,
                 )
                 for at, page in zip(check, verified, strict=True):
-                    out[at] = (None, page) if isinstance(page, str) else (page, "")
+                    out[at] = outcome(page)
             chunk.verify_s = time.perf_counter() - read_at + early_s
             return out
 
