@@ -50,7 +50,10 @@ def run(
         node_config(
             str(out_dir / "a"),
             master.address,
-            dram_bytes=(pages + 16) * PAGE_BYTES,
+            # Room for two rounds: the next offer never waits on the write-back of the
+            # round just published (on a loaded CI machine it lagged: "admitted 60 of
+            # 64"). What B reads is in A's lent segment, not in A's DRAM.
+            dram_bytes=(2 * pages + 16) * PAGE_BYTES,
             remote_options={"master": master.address, "segment_bytes": segment},
             remote_max_pages=pages,
         ),
