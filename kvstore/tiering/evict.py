@@ -104,7 +104,9 @@ class Eviction(EvictionWrites):
         self._forget_if_gone = state.forget_if_gone
         self._admission = value.admission
         self._tau = value.tau
-        self._admits_nvme = value.admits_nvme
+        self._value_admits_nvme = value.admits_nvme
+        self._displacement = value.displacement
+        self._nvme_victim_at: tuple[float, PageRec | None] = (-1.0, None)
         self._value_density = value.value_density
         self._payoff = value.payoff
         self._seen = value.reuse.seen
@@ -218,7 +220,12 @@ class Eviction(EvictionWrites):
         measured by `kvstore sim`); ``alloc_many`` asks for its whole shortfall."""
         scan = max(64, 2 * batch)  # 64 for one slot, as always
         payoff = self._payoff
-        closed = payoff is not None and not all(payoff.open)
+        displacement = self._displacement
+        # While NVMe declines some pages (a class of the payoff gate, or the
+        # displacement rule), a page it declines frees a slot as cheaply as a clean one.
+        closed = (payoff is not None and not all(payoff.open)) or (
+            displacement is not None and displacement.on
+        )
         if tier == DRAM and closed and self._evict_cheapest_dram(batch, scan):
             return
         clean_list = self._clean_hbm if tier == HBM else self._clean_dram
@@ -503,6 +510,36 @@ class Eviction(EvictionWrites):
         writes.append(rec)
         return True
 
+    def _admits_nvme(self, rec: PageRec) -> bool:
+        """NVMe admission: value density and the payoff gate (``Valuation``), then, into
+        a full NVMe, the displacement rule against the page the write would delete."""
+        if not self._value_admits_nvme(rec):
+            return False
+        displacement = self._displacement
+        if displacement is None or not displacement.on or rec.retained:
+            return True
+        need = self._used[NVME] + self._nvme_reserved + rec.nbytes
+        if need <= self._capacity[NVME]:
+            return True  # room: the write displaces nothing
+        victim = self._nvme_victim()
+        return victim is None or displacement.admits(rec.key, victim.key)
+
+    def _nvme_victim(self) -> PageRec | None:
+        """The page NVMe would delete next (``_delete_nvme``'s choice), looked up once
+        per clock reading: a control cycle asks for many candidates at one instant."""
+        now = self._now()
+        at, victim = self._nvme_victim_at
+        if at == now and (victim is None or victim.in_tier(NVME)):
+            return victim
+        eligible = self._eligible(NVME, True)
+        order = self._orders[NVME]
+        found = order.victims(
+            1, lambda r: not r.tiers & _ABOVE_NVME and eligible(r), 64
+        ) or order.victims(1, eligible, 64)
+        victim = found[0] if found else None
+        self._nvme_victim_at = (now, victim)
+        return victim
+
     def _droppable(self, rec: PageRec) -> bool:
         """A dirty DRAM page that may leave unwritten: NVMe declines it."""
         return not self._admits_nvme(rec) and not self._engine_keeps(rec)
@@ -522,12 +559,17 @@ class Eviction(EvictionWrites):
             return "admission:nvme:kappa_below_1"
         if self._payoff is not None and not self._payoff.admits(self._seen(rec.key)):
             return "admission:nvme:no_payoff"
+        if self._displacement is not None and self._value_admits_nvme(rec):
+            return "admission:nvme:displaced"
         return "admission:nvme:below_tau"
 
     def _declined(self, rec: PageRec) -> None:
-        """A dirty page left DRAM unwritten: its ghost measures what a write would pay."""
+        """A dirty page left DRAM unwritten: its ghost measures what a write would pay;
+        one the displacement rule kept out is a candidate of its models."""
         if self._payoff is not None and not rec.tiers & 4:
             self._payoff.declined(rec.key, self._seen(rec.key))
+        if self._displacement is not None and not rec.tiers & 4 and self._value_admits_nvme(rec):
+            self._displacement.candidate(rec.key)
 
     def _evict_nvme(self, rec: PageRec) -> None:
         self._tau.on_evict(NVME, self._value_density(rec, NVME))

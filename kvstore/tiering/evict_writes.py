@@ -23,6 +23,7 @@ from kvstore.tiering.arena import SlotPool
 from kvstore.tiering.completions import WriteBack
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import Bandwidth
+from kvstore.tiering.displace import Displacement
 from kvstore.tiering.mover_api import Mover, Path, Priority, Ticket
 from kvstore.tiering.nvme import NvmeTier
 from kvstore.tiering.pages import DRAM, NVME, PageRec, PageState
@@ -57,6 +58,7 @@ class EvictionWrites:
     _slot_bytes: int
     _orders: list[EvictionOrder]
     _payoff: WritePayoff | None
+    _displacement: Displacement | None
     _seen: Callable[[bytes], int]
     _bump: Callable[..., None]
     _busy: Callable[[PageRec, PageState], None]
@@ -106,7 +108,10 @@ class EvictionWrites:
                 return
         self._nvme_reserved += nvme_need
         busy = self._busy
+        displacement = self._displacement
         for rec in recs:
+            if displacement is not None:
+                displacement.candidate(rec.key)
             busy(rec, _EVICTING)
             if demote:
                 self._leave(rec, DRAM)

@@ -31,6 +31,7 @@ __all__ = ["Loads"]
 
 _WARM_BATCH = 16
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
+_ABOVE_NVME = 1 << HBM | 1 << DRAM  # the tier bits of HBM and DRAM
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 # Enum members as module constants: in the hot paths an enum attribute read costs
 # 0.1-0.2 us each (Python 3.11), as much as the rest of a line.
@@ -78,6 +79,7 @@ class Loads:
         self._forget_if_gone = state.forget_if_gone
         self._reuse = value.reuse
         self._payoff = value.payoff
+        self._displacement = value.displacement
         self._alloc = eviction.alloc
         self._nvme = nvme
         self._copies = copies
@@ -95,6 +97,11 @@ class Loads:
         self.lookups = 0
 
     # -- lookup ------------------------------------------------------------------
+
+    def _held_above_nvme(self, key: bytes) -> bool:
+        """Whether HBM or DRAM holds ``key`` (a lookup of it is no NVMe read)."""
+        rec = self._pages.get(key)
+        return rec is not None and bool(rec.tiers & _ABOVE_NVME)
 
     def lookup(
         self, keys: Sequence[object], ctx: RequestContext, tokens: int | None
@@ -133,6 +140,8 @@ class Loads:
         # a page on NVMe only or in flight: the fetch check below
         maybe_pending = bool(busy) or by_tier[NVME] > 0
         self._reuse.access_lookup(walked, tag)
+        if self._displacement is not None:
+            self._displacement.looked_up(walked, self._held_above_nvme)
         # Leaves older than their parents at the same instant: chains go from the
         # tail. TierState.touch, inlined: this runs once per hit page.
         # A hit counts toward the hits of the pages up to where the prefix branches:

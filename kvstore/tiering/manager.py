@@ -645,6 +645,7 @@ class TierManager:
         with self._lock:
             kappa = tuple(self.cost.kappa(t, self.config.page_bytes) for t in range(3))
             gate = self._value.payoff
+            rule = self._value.displacement
             return TierStats(
                 pages=len(self._pages),
                 used_bytes=(self._state.used[0], self._state.used[1], self._state.used[2]),
@@ -685,6 +686,7 @@ class TierManager:
                 ),
                 remote=self._remote.summary() if self._remote is not None else None,
                 nvme_write_gate=None if gate is None else (gate.open[0], gate.open[1]),
+                nvme_displacement=None if rule is None else rule.summary(),
             )
 
     def metrics_registry(self) -> Any:

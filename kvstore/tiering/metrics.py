@@ -131,6 +131,13 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
         for name, open_ in zip(("seen_once", "seen_again"), stats.nvme_write_gate, strict=True):
             gate.add_metric([name], 1.0 if open_ else 0.0)
         yield gate
+    if stats.nvme_displacement is not None:
+        yield GaugeMetricFamily(
+            "kvstore_tier_nvme_displacement_on",
+            "1 while a write into a full NVMe must be of a page asked for more often "
+            "lately than the page it displaces (measured to serve more hits), else 0",
+            value=1.0 if stats.nvme_displacement["on"] else 0.0,
+        )
     yield _split_counter(
         "kvstore_tier_admissions",
         "Admission decisions by tier and decision (admitted, below_tau, full, ...)",

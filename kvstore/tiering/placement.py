@@ -59,6 +59,7 @@ class Placement:
         self._forget_if_gone = state.forget_if_gone
         self._touch = state.touch
         self._reuse = value.reuse
+        self._displacement = value.displacement
         self._admission = value.admission
         self._tau = value.tau
         self._admits_nvme = value.admits_nvme
@@ -95,6 +96,7 @@ class Placement:
         touched: list[PageRec] = []
         tag = ctx.tag
         reuse_access = self._reuse.access_offer
+        displacement = self._displacement
         tokens_per_page = self.config.tokens_per_page
         first_at: dict[bytes, int] = {}
         for i in range(count):
@@ -116,6 +118,8 @@ class Placement:
             else:
                 depth = parent_rec.depth + 1 if parent_rec is not None else 0
                 seen, counted = reuse_access(key, depth, tag)
+            if counted and displacement is not None:
+                displacement.counted(key)
             if rec is not None and rec.tiers:
                 if counted:
                     touched.append(rec)

@@ -250,3 +250,7 @@ class TierStats:
     # The NVMe write gate (docs/tiering.md, "Admission by payoff"): whether NVMe takes
     # the writes of pages seen once, and of pages seen again; None without the gate.
     nvme_write_gate: tuple[bool, bool] | None = None
+    # The displacement rule (docs/tiering.md, "Admission against the displaced page"):
+    # on, how often it turned on or off, and its two NVMe models' decayed hits
+    # (admitting every page, applying the rule); None without the rule.
+    nvme_displacement: Mapping[str, Any] | None = None

@@ -14,9 +14,11 @@ import math
 
 from kvstore.tiering.config import TierConfig
 from kvstore.tiering.cost import LOAD_PATHS, Bandwidth, Compute, CostModel
+from kvstore.tiering.displace import Displacement
 from kvstore.tiering.pages import NVME, TIER_NAMES, PageRec
 from kvstore.tiering.payoff import WritePayoff
 from kvstore.tiering.policy import Admission, ReuseEstimator, TauController
+from kvstore.tiering.results import UNBOUNDED_BYTES
 
 __all__ = ["GHOST_ENTRIES_MAX", "GHOST_ENTRIES_MIN", "Valuation", "ghost_entries_for"]
 
@@ -72,6 +74,16 @@ class Valuation:
         if bar is not None and nvme_capacity > 0 and not chosen:
             self.payoff = WritePayoff(bar, WritePayoff.horizon(nvme_capacity // slot_bytes))
         self._payoff_changes = 0
+        # NVMe admission against the page a write displaces: where NVMe has a capacity
+        # to fill and admission is the manager's to choose, as the payoff gate.
+        self.displacement: Displacement | None = None
+        if (
+            config.nvme_displacement
+            and 0 < nvme_capacity < UNBOUNDED_BYTES
+            and slot_bytes > 0
+            and not chosen
+        ):
+            self.displacement = Displacement(nvme_capacity // slot_bytes, cache_pages)
 
     def invalidate(self) -> None:
         """A bandwidth fit or the compute rate moved: value densities are computed anew."""

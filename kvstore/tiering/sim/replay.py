@@ -255,6 +255,7 @@ def simulate_kvstore(
             "admissions": dict(stats.admissions),
             "recompute_decisions": dict(stats.recompute_decisions),
             "tau": list(stats.tau),
+            "nvme_displacement": stats.nvme_displacement,
             "kappa": list(stats.kappa),
             "thrash": stats.thrash,
             "occupancy": _occupancy(

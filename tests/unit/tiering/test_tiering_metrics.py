@@ -188,6 +188,26 @@ def test_every_field_is_exported_under_its_name_and_labels() -> None:
     }
 
 
+def test_the_nvme_gates_are_gauges_present_only_where_the_manager_has_them() -> None:
+    found = samples(exposition(registry_for(fake_stats)))
+    assert "kvstore_tier_nvme_write_gate" not in found
+    assert "kvstore_tier_nvme_displacement_on" not in found
+    rule = {"on": True, "moves": 3, "model_hits": [10.0, 40.0]}
+    found = samples(
+        exposition(
+            registry_for(lambda: fake_stats(nvme_write_gate=(False, True), nvme_displacement=rule))
+        )
+    )
+    assert by(found, "kvstore_tier_nvme_write_gate", "class") == {
+        "seen_once": 0,
+        "seen_again": 1,
+    }
+    assert value(found, "kvstore_tier_nvme_displacement_on") == 1
+    off = dict(rule, on=False)
+    found = samples(exposition(registry_for(lambda: fake_stats(nvme_displacement=off))))
+    assert value(found, "kvstore_tier_nvme_displacement_on") == 0
+
+
 def test_offload_latency_is_a_histogram_per_layer_pair_with_the_seed_buckets() -> None:
     found = samples(exposition(registry_for(fake_stats)))
     buckets = by(found, "kv_offload_latency_seconds_bucket", "src_layer", "dst_layer", "le")
