@@ -56,6 +56,7 @@ longer soak.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -72,6 +73,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.testing.tier_crash import ENGINE_DRAM_DROP_DEFECT, ENGINE_DRAM_DROPS, LOSSY
 from kvstore.tiering import LoadHandle, ModelCost, TierConfig, TierManager
+from kvstore.tiering.displace import Displacement
 
 PAGE = 16 * 1024
 CHAINS = 3
@@ -522,8 +524,41 @@ class EngineValueDensityMachine(TierMachine):
     hbm = "engine"
 
 
+class DisplacementMachine(TierMachine):
+    """A bounded NVMe (four pages) with the displacement rule held on: writes into a
+    full NVMe are declined unless the page beats NVMe's next victim, and DRAM frees
+    declined pages beside clean ones (docs/tiering.md, "Admission against the
+    displaced page"). The rule's fallback paths get the same invariants."""
+
+    admission = "value_density"
+
+    def open(self) -> TierManager:
+        tm = super().open()
+        rule = tm._value.displacement
+        assert rule is None  # an unbounded NVMe: no rule
+        tm.close()
+        config = dataclasses.replace(tm.config, nvme_bytes=4 * PAGE)
+        tm = TierManager.open(config)
+        rule = tm._value.displacement
+        assert rule is not None
+        rule.__class__ = _HeldOn
+        rule.on = True
+        return tm
+
+
+class _HeldOn(Displacement):
+    """The rule, never switched off by its models."""
+
+    __slots__ = ()
+
+    def _judge(self) -> None:
+        pass
+
+
 TestTieringAll = TierMachine.TestCase
 TestTieringAll.settings = SETTINGS
+TestTieringDisplacement = DisplacementMachine.TestCase
+TestTieringDisplacement.settings = SETTINGS
 TestTieringValueDensity = ValueDensityMachine.TestCase
 TestTieringValueDensity.settings = SETTINGS
 TestTieringEngineAll = EngineMachine.TestCase

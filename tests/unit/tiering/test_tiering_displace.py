@@ -4,6 +4,7 @@ displaced page")."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -197,3 +198,76 @@ def test_the_rule_is_a_config_switch() -> None:
 
     assert parse_overrides("kvstore:nvme_displacement=false") == {"nvme_displacement": False}
     assert TierConfig().nvme_displacement is True
+
+
+# -- in the manager, on a real store, the rule held on ----------------------------------
+
+
+class _HeldOn(Displacement):
+    """The rule, never switched off by its models."""
+
+    __slots__ = ()
+
+    def _judge(self) -> None:
+        pass
+
+
+def test_held_on_nvme_keeps_its_documents_stays_within_capacity_and_loads_exact_bytes(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from kvstore.tiering import TierManager
+    from tests.unit.tiering.test_tiering_manager import SLOT, keys, load_all, page
+    from tests.unit.tiering.test_tiering_manager import config as manager_config
+
+    cfg = manager_config(
+        tmp_path,
+        hbm_bytes=2 * SLOT,
+        dram_bytes=4 * SLOT,
+        nvme_bytes=6 * SLOT,
+        watermark_warn=0.5,
+        watermark_low=0.25,
+        admission="value_density",
+        nvme_write_payoff=None,  # every page value density admits: the rule alone filters
+    )
+    with TierManager.open(cfg) as tm:
+        rule = tm._value.displacement
+        assert rule is not None
+        rule.__class__ = _HeldOn
+        rule.on = True
+
+        def settle() -> None:
+            for _ in range(4):
+                tm.drain()
+                tm.step()
+            assert tm.drain()
+
+        documents = keys(6, "doc")
+        for i in range(0, 6, 2):
+            out = tm.offer(
+                documents[i : i + 2], [page(i), page(i + 1)], parents=[None, documents[i]]
+            )
+            assert out.admitted == 2, out.reasons
+            settle()
+        for _ in range(4):  # read by many: counted often
+            for i in range(0, 6, 2):
+                tm.lookup(documents[i : i + 2])
+        torrent = keys(40, "once")
+        for i in range(0, 40, 2):
+            tm.offer(torrent[i : i + 2], [page(100 + i), page(101 + i)], parents=[None, torrent[i]])
+            settle()
+            stats = tm.stats()
+            assert stats.used_bytes[2] <= stats.capacity_bytes[2], stats.used_bytes
+        stats = tm.stats()
+        assert stats.admissions.get("nvme:displaced", 0) > 0, stats.admissions
+        assert stats.nvme_displacement is not None and stats.nvme_displacement["on"]
+        # The documents kept their NVMe pages against pages seen once, and load exactly.
+        for i in range(0, 6, 2):
+            got = load_all(tm, documents[i : i + 2])
+            assert len(got) == 2, i
+            assert torch.equal(got[0], page(i)) and torch.equal(got[1], page(i + 1)), i
+        # Whatever of the torrent is still held loads its own bytes.
+        for i in range(0, 40, 2):
+            for j, tensor in enumerate(load_all(tm, torrent[i : i + 2])):
+                assert torch.equal(tensor, page(100 + i + j)), (i, j)
