@@ -805,6 +805,7 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
         ("C_eff (FLOP/s)", f"{summary['compute_flops']:.3e}"),
         ("heat_pages", f"{summary['heat_pages']:,}"),
         *_write_gate_rows(summary.get("nvme_write_gate")),
+        *_displacement_rows(summary.get("nvme_displacement")),
     ):
         overall.add_row(name, value)
     console.print(overall)
@@ -839,6 +840,21 @@ def _print_tier_summary(file: Path, summary: dict[str, Any]) -> None:
                 f"{row['p_reuse']:.3f}",
             )
         console.print(reuse)
+
+
+def _displacement_rows(rule: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The displacement rule's row of ``kvstore tier stat`` (docs/tiering.md, "Admission
+    against the displaced page")."""
+    if not rule:
+        return []
+    plain, filtered = rule["model_hits"]
+    state = (
+        "on: a page must be asked for more often than the page it displaces"
+        if rule["on"]
+        else "off: every page admitted is written"
+    )
+    evidence = f"models' hits {filtered:,.0f} with the rule, {plain:,.0f} without"
+    return [("NVMe displacement rule", f"{state} ({evidence}; {rule['moves']} moves)")]
 
 
 def _write_gate_rows(gate: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -20,7 +20,11 @@ Format, version 1 (JSON, one object; built by ``snapshot``)::
     summary          {"pages_by_tier", "used_bytes", "capacity_bytes",
                       "hits_by_tier": [hbm, dram, nvme], "misses", "lookups",
                       "nvme_pages_written", "nvme_bytes_written",
-                      "counters": {name: int}, "kappa": [hbm, dram, nvme]}
+                      "counters": {name: int}, "kappa": [hbm, dram, nvme],
+                      optional "remote": the remote tier's summary,
+                      optional "nvme_displacement": {"on": bool, "moves": int,
+                      "model_hits": [unfiltered, filtered]}: the displacement rule,
+                      shown, never applied at open}
 
 A reader accepts fields it does not know (a newer writer may add some) and
 refuses a file that lacks one it reads, naming the file and the field. Non-finite
@@ -286,7 +290,23 @@ def summarize(
         # the remote tier's section (RemoteTier.summary), None without one
         "remote": summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
         "nvme_write_gate": _write_gate(data.get("payoff")),
+        "nvme_displacement": _displacement(summary.get("nvme_displacement")),
     }
+
+
+def _displacement(rule: object) -> dict[str, Any] | None:
+    """The displacement rule from the summary's optional field (docs/tiering.md,
+    "Admission against the displaced page"); None where none was saved or it is damaged
+    (it is shown, never applied)."""
+    if not isinstance(rule, dict):
+        return None
+    try:
+        hits = [float(h) for h in rule["model_hits"]]
+        if len(hits) != 2 or not all(math.isfinite(h) and h >= 0 for h in hits):
+            return None
+        return {"on": bool(rule["on"]), "moves": int(rule["moves"]), "model_hits": hits}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _write_gate(payoff: object) -> dict[str, dict[str, Any]] | None:
@@ -369,6 +389,7 @@ def stats_view_from_file(data: Mapping[str, Any]) -> TierStats:
         ),
         remote=summary.get("remote") if isinstance(summary.get("remote"), dict) else None,
         nvme_write_gate=_gate_open(data.get("payoff")),
+        nvme_displacement=_displacement(summary.get("nvme_displacement")),
     )
 
 

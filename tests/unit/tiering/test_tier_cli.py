@@ -112,6 +112,53 @@ def test_tier_stat_shows_the_nvme_write_gate(tmp_path: Path) -> None:
     )
 
 
+def test_tier_stat_shows_the_displacement_rule_and_a_damaged_one_as_absent(
+    tmp_path: Path,
+) -> None:
+    data = stats_data()
+    data["summary"]["nvme_displacement"] = {"on": True, "moves": 3, "model_hits": [89.0, 917.0]}
+    write_stats(tmp_path, data)
+    result = run("tier", "stat", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    rule = json.loads(result.stdout)["nvme_displacement"]
+    assert rule == {"on": True, "moves": 3, "model_hits": [89.0, 917.0]}
+    text = run("tier", "stat", str(tmp_path)).stdout
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
+    row = rows["NVMe displacement rule"]
+    assert "on: a page must be asked for more often" in row
+    assert "917 with the rule, 89 without" in row and "3 moves" in row
+    # The exporter reading the file shows it too.
+    metrics = run("tier", "metrics", str(tmp_path))
+    assert metrics.exit_code == 0, metrics.output
+    assert "kvstore_tier_nvme_displacement_on 1.0" in metrics.stdout
+    # Shown, never applied: a damaged one reads as absent, the file is not refused.
+    data["summary"]["nvme_displacement"] = {"on": True, "moves": 3, "model_hits": [-1, "x"]}
+    write_stats(tmp_path, data)
+    result = run("tier", "stat", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["nvme_displacement"] is None
+    assert "NVMe displacement rule" not in run("tier", "stat", str(tmp_path)).stdout
+
+
+def test_a_manager_saves_its_displacement_rule_for_tier_stat(tmp_path: Path) -> None:
+    from kvstore.tiering import TierManager
+    from tests.unit.tiering.test_tiering_manager import SLOT
+    from tests.unit.tiering.test_tiering_manager import config as manager_config
+
+    cfg = manager_config(
+        tmp_path, dram_bytes=4 * SLOT, nvme_bytes=8 * SLOT, admission="value_density"
+    )
+    with TierManager.open(cfg) as tm:
+        assert tm.stats().nvme_displacement is not None
+    result = run("tier", "stat", str(tmp_path / "nvme"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["nvme_displacement"] == {
+        "on": False,
+        "moves": 0,
+        "model_hits": [0.0, 0.0],
+    }
+
+
 def test_tier_commands_on_a_missing_file_exit_8(tmp_path: Path) -> None:
     tmp_path = tmp_path / ("a-directory-name-long-enough-that-a-wrapped-line-would-break-it" * 2)
     tmp_path.mkdir()
