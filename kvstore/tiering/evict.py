@@ -526,10 +526,12 @@ class Eviction(EvictionWrites):
 
     def _nvme_victim(self) -> PageRec | None:
         """The page NVMe would delete next (``_delete_nvme``'s choice), looked up once
-        per clock reading: a control cycle asks for many candidates at one instant."""
+        per ``_VICTIM_TTL_S`` while it is still on NVMe: a control cycle's clean reserve
+        asks about dozens of candidates at once (each lookup is a scan of NVMe's order:
+        2.8 us, against 0.4 us for the cached one)."""
         now = self._now()
         at, victim = self._nvme_victim_at
-        if at == now and (victim is None or victim.in_tier(NVME)):
+        if 0.0 <= now - at < _VICTIM_TTL_S and (victim is None or victim.in_tier(NVME)):
             return victim
         eligible = self._eligible(NVME, True)
         order = self._orders[NVME]
@@ -665,6 +667,9 @@ def _no_waiters(rec: PageRec, **_: object) -> None:
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
 _ABOVE_NVME = BIT[HBM] | BIT[DRAM]  # PageRec.tiers: a copy above NVMe
+# How long the displacement rule's NVMe victim is reused (while it stays on NVMe): less
+# than any gap between two requests of a trace, so a replay's decisions are per request.
+_VICTIM_TTL_S = 0.0005
 # PageRec.resident_children[tier], one slot per tier
 _RESIDENT_CHILDREN = tuple(operator.attrgetter(f"resident_{name}") for name in TIER_NAMES)
 
