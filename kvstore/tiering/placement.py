@@ -136,6 +136,12 @@ class Placement:
                     slot = self._alloc(HBM)
                     if slot is not None:
                         rec.hbm_slot = slot
+                        # Busy from now on, not from the copy's submission: an
+                        # allocation for a later page of this offer would otherwise
+                        # evict its DRAM copy and forget it, and the copy would land
+                        # in HBM on a page no longer in the page table (its slot and
+                        # HBM's page count leaked; `TestTieringDisplacement` found it).
+                        self._busy(rec, _WRITING)
                         copies.setdefault(_D2D, []).append((rec, views[i], HBM))
                         self._bump("promotions:hbm")
                 tiers_out[i] = rec.top_tier()

@@ -653,3 +653,47 @@ def test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds(
             if tm.complete_load(handle):
                 assert torch.equal(dst[0], pages[keys.index(key)]), f"{key!r}: wrong bytes"
     assert not failures, f"{case}: " + "; ".join(failures) + f" (counters {counters})"
+
+
+# -- an offer's promotion and a later allocation of the same offer --------------------------
+
+
+def test_an_offer_promoting_a_page_keeps_it_while_later_pages_of_the_offer_take_slots() -> None:
+    """The steps `TestTieringDisplacement` shrank to (value density, owned HBM): chain 0's
+    pages sit in DRAM while two pages of chain 1 are being demoted from HBM; an offer of
+    chain 0 promotes its present pages into HBM, and the DRAM slot for its new fourth page
+    is made by dropping the lowest-ranked page NVMe declines, which was one of the pages
+    this offer was promoting. It was forgotten, and its copy then landed in HBM on a page
+    no longer in the page table: HBM counted 3 pages where 2 were known, and its slot
+    was never freed."""
+    sizes = [PAGE] * 4
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("extend_chain", {"chain": 0, "length": 2, "sizes": sizes}),
+        ("offer", {"chain": 0, "length": 1, "sizes": sizes, "start": 0}),
+        ("finish_load", {}),
+        ("extend_chain", {"chain": 0, "length": 2, "sizes": sizes}),
+        ("extend_chain", {"chain": 2, "length": 2, "sizes": sizes}),
+        ("lookup_and_load", {"chain": 2, "length": 1}),
+        ("finish_load", {}),
+        ("extend_chain", {"chain": 1, "length": 2, "sizes": sizes}),
+        ("lookup_and_load", {"chain": 0, "length": 1}),
+        ("finish_load", {}),
+        ("offer", {"chain": 0, "length": 4, "sizes": sizes, "start": 0}),
+    ]
+    import hypothesis.control
+
+    machine = ValueDensityMachine()
+    events = hypothesis.control.event
+    try:
+        globals()["event"] = lambda *args, **kwargs: None  # outside a hypothesis run
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)
+            machine.within_capacity()
+            machine.residents_are_modelled()
+            machine.pinned_pages_stay()
+        machine.drain()
+        machine.within_capacity()
+        assert machine.tm._hbm.free_slots() + machine.tm.stats().pages_by_tier[0] == HBM_PAGES
+    finally:
+        globals()["event"] = events
+        machine.teardown()
