@@ -124,9 +124,8 @@ def test_tier_stat_shows_the_displacement_rule_and_a_damaged_one_as_absent(
     assert rule == {"on": True, "moves": 3, "model_hits": [89.0, 917.0]}
     text = run("tier", "stat", str(tmp_path)).stdout
     rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "│" in line}
-    row = rows["NVMe displacement rule"]
-    assert "on: a page must be asked for more often" in row
-    assert "917 with the rule, 89 without" in row and "3 moves" in row
+    # Short enough for an 80-column terminal (a longer value wrapped in CI).
+    assert "on: 917 model hits vs 89" in rows["NVMe displacement rule"]
     # The exporter reading the file shows it too.
     metrics = run("tier", "metrics", str(tmp_path))
     assert metrics.exit_code == 0, metrics.output
