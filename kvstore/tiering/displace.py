@@ -142,7 +142,7 @@ class Displacement:
 
     def counted(self, key: bytes) -> None:
         """An offer's page the reuse estimator counted (not a lookup's page again)."""
-        self.sketch.add_hashed(xxh3_64_intdigest(key))
+        self.sketch.add(key)
 
     def looked_up(self, walked: Iterable[bytes], above_nvme: Callable[[bytes], bool]) -> None:
         """A lookup's walked keys (its hit prefix and first miss, as the reuse estimator

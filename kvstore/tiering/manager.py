@@ -756,6 +756,9 @@ class TierManager:
         snapshot = self._restart.snapshot()
         if self._remote is not None:
             snapshot["summary"]["remote"] = self._remote.summary()
+        if self._value.displacement is not None:
+            # Shown by `kvstore tier stat`, never applied at open (the rule restarts off).
+            snapshot["summary"]["nvme_displacement"] = self._value.displacement.summary()
         return snapshot
 
     def _update_gates(self) -> None:

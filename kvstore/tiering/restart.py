@@ -150,12 +150,6 @@ class Restart:
                 "nvme_bytes_written": self._evict.nvme_written[1],
                 "counters": dict(self._state.counters),
                 "kappa": [self.cost.kappa(t, self.config.page_bytes) for t in range(3)],
-                # Shown by `kvstore tier stat`, never applied at open (the rule restarts off).
-                **(
-                    {}
-                    if self._value.displacement is None
-                    else {"nvme_displacement": self._value.displacement.summary()}
-                ),
             },
         )
 

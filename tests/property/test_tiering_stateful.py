@@ -73,7 +73,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.testing.tier_crash import ENGINE_DRAM_DROP_DEFECT, ENGINE_DRAM_DROPS, LOSSY
 from kvstore.tiering import LoadHandle, ModelCost, TierConfig, TierManager
-from kvstore.tiering.displace import Displacement
+from tests.unit.tiering.test_tiering_displace import hold_on
 
 PAGE = 16 * 1024
 CHAINS = 3
@@ -138,27 +138,28 @@ class TierMachine(RuleBasedStateMachine):
         assert self.readable_mask == (6 if self.hbm == "engine" else 7)
 
     def open(self) -> TierManager:
-        return TierManager.open(
-            TierConfig(
-                device="cpu",
-                hbm=self.hbm,
-                hbm_bytes=HBM_PAGES * PAGE,
-                dram_bytes=6 * PAGE,
-                page_bytes=PAGE,
-                tokens_per_page=16,
-                nvme_path=str(self.directory / "nvme"),
-                nvme_options={"segment_bytes": 1 << 20, "gc_interval_s": 0},
-                model=SMALL_MODEL,
-                compute_flops=1e11,  # slow: by the seeded bandwidths, loading wins everywhere
-                admission=self.admission,
-                hysteresis_s=0.0,
-                watermark_low=0.3,
-                watermark_warn=0.5,
-                watermark_force=0.7,
-                probe_at_open=False,
-                control_interval_s=0,  # the rules drive step(): one thread of control
-                warm_dram_on_open=False,
-            )
+        return TierManager.open(self.config())
+
+    def config(self) -> TierConfig:
+        return TierConfig(
+            device="cpu",
+            hbm=self.hbm,
+            hbm_bytes=HBM_PAGES * PAGE,
+            dram_bytes=6 * PAGE,
+            page_bytes=PAGE,
+            tokens_per_page=16,
+            nvme_path=str(self.directory / "nvme"),
+            nvme_options={"segment_bytes": 1 << 20, "gc_interval_s": 0},
+            model=SMALL_MODEL,
+            compute_flops=1e11,  # slow: by the seeded bandwidths, loading wins everywhere
+            admission=self.admission,
+            hysteresis_s=0.0,
+            watermark_low=0.3,
+            watermark_warn=0.5,
+            watermark_force=0.7,
+            probe_at_open=False,
+            control_interval_s=0,  # the rules drive step(): one thread of control
+            warm_dram_on_open=False,
         )
 
     # -- helpers -------------------------------------------------------------
@@ -532,27 +533,13 @@ class DisplacementMachine(TierMachine):
 
     admission = "value_density"
 
+    def config(self) -> TierConfig:
+        return dataclasses.replace(super().config(), nvme_bytes=4 * PAGE)
+
     def open(self) -> TierManager:
         tm = super().open()
-        rule = tm._value.displacement
-        assert rule is None  # an unbounded NVMe: no rule
-        tm.close()
-        config = dataclasses.replace(tm.config, nvme_bytes=4 * PAGE)
-        tm = TierManager.open(config)
-        rule = tm._value.displacement
-        assert rule is not None
-        rule.__class__ = _HeldOn
-        rule.on = True
+        hold_on(tm)
         return tm
-
-
-class _HeldOn(Displacement):
-    """The rule, never switched off by its models."""
-
-    __slots__ = ()
-
-    def _judge(self) -> None:
-        pass
 
 
 TestTieringAll = TierMachine.TestCase

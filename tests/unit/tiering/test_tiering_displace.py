@@ -212,6 +212,15 @@ class _HeldOn(Displacement):
         pass
 
 
+def hold_on(tm: Any) -> Displacement:
+    """Turn the manager's displacement rule on for good (its models never move it)."""
+    rule = tm._value.displacement
+    assert rule is not None
+    rule.__class__ = _HeldOn
+    rule.on = True
+    return rule
+
+
 def test_held_on_nvme_keeps_its_documents_stays_within_capacity_and_loads_exact_bytes(
     tmp_path: Path,
 ) -> None:
@@ -232,10 +241,7 @@ def test_held_on_nvme_keeps_its_documents_stays_within_capacity_and_loads_exact_
         nvme_write_payoff=None,  # every page value density admits: the rule alone filters
     )
     with TierManager.open(cfg) as tm:
-        rule = tm._value.displacement
-        assert rule is not None
-        rule.__class__ = _HeldOn
-        rule.on = True
+        hold_on(tm)
 
         def settle() -> None:
             for _ in range(4):
