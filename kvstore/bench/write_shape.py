@@ -1,0 +1,315 @@
+"""Durable puts against the same I/O written by plain threads, interleaved in one process.
+
+    .venv/bin/python tools/write_shape.py --dir ./bench-data               # 2 GiB per variant
+    .venv/bin/python tools/write_shape.py --dir ./bench-data --rounds 3 --json
+
+It separates what the store's own code costs a durable put from what the on-disk
+format's I/O costs. Each round runs, in random order, on a fresh directory:
+
+  store, sync          ``put_many_async(32 pages, sync=True)``, ``pipeline_depth``
+                       batches in flight, pages in 4 KiB-aligned memory (written
+                       without a copy): the bench's pipelined durable-put row
+  store, no sync       the same with ``sync=False`` (the flusher commits every
+                       ``flush_interval_ms``)
+  threads, two flushes the store's I/O shape written by plain threads: each record a
+                       4 KiB header block and its payload, records gathered into
+                       O_DIRECT ``pwritev``s of up to the store's ``GATHER_BYTES``
+                       (four 256 KiB pages, one 1 MiB page),
+                       from 8 I/O threads, batches of 32 on ``pipeline_depth``
+                       threads; per batch, under one lock, an ``fdatasync`` of the
+                       data file, then a WAL-sized append and ``fdatasync`` of a
+                       second file (the group commit's two flushes, in its order)
+  threads, no flush    the same writes and no flush
+  fio, sync32          fio's ``seq_write_256k_sync32`` / ``seq_write_1m_sync32``
+                       profile (an fdatasync every 32 writes), when fio is found and
+                       the page is 256 KiB or 1 MiB: the bench's reference
+
+The threads have no checksums, index, WAL records or locks: what the store gets
+below them is its own code's cost, not the format's or the commit's. See
+docs/benchmarks.md ("What limits 256 KiB durable puts").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kvstore import KVStore
+from kvstore.bench.common import KIB, MIB, NullReporter
+from kvstore.bench.fio import FioStatus, find_fio, run_fio_profiles
+from kvstore.format.constants import BLOCK_BYTES
+from kvstore.runtime.writer import GATHER_BYTES
+
+BATCH = 32  # pages per put_many call, as the bench's durable-put rows
+IO_THREADS = 8
+FIO_RUNTIME_S = 60  # a bound: the profile stops at its size long before
+WAL_RECORD_BYTES = 100  # about a PUT record with a short key
+
+VARIANTS = ("store, sync", "store, no sync", "threads, two flushes", "threads, no flush")
+FIO = "fio, sync32"
+FIO_PROFILE = {256 * KIB: "seq_write_256k_sync32", MIB: "seq_write_1m_sync32"}
+
+
+class Payloads:
+    """``slots`` batches of page-sized views into one anonymous (page-aligned) mapping."""
+
+    def __init__(self, page_bytes: int, slots: int) -> None:
+        self._map = mmap.mmap(-1, slots * BATCH * page_bytes)
+        chunk = os.urandom(min(len(self._map), 4 * MIB))
+        for start in range(0, len(self._map), len(chunk)):
+            end = min(start + len(chunk), len(self._map))
+            self._map[start:end] = chunk[: end - start]
+        view = memoryview(self._map)
+        self.pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(slots * BATCH)]
+        self.slots = slots
+
+    def batch(self, index: int) -> list[memoryview]:
+        base = (index % self.slots) * BATCH
+        return self.pages[base : base + BATCH]
+
+
+def store_puts(root: Path, payloads: Payloads, batches: int, depth: int, *, sync: bool) -> float:
+    """Seconds for ``batches`` pipelined batches of durable (or plain) puts."""
+    with KVStore.open(root, create=True, pipeline_depth=depth) as store:
+        in_flight: collections.deque[Future[list[bool]]] = collections.deque()
+        counter = 0
+
+        def run(count: int) -> None:
+            nonlocal counter
+            for index in range(count):
+                items = [
+                    (f"k{counter + i}".encode(), page)
+                    for i, page in enumerate(payloads.batch(index))
+                ]
+                counter += len(items)
+                if len(in_flight) >= depth:
+                    in_flight.popleft().result()
+                in_flight.append(store.put_many_async(items, sync=sync))
+            while in_flight:
+                in_flight.popleft().result()
+
+        run(depth + 2)  # warm-up: the pipeline threads, the ring, the first segment
+        started = time.perf_counter()
+        run(batches)
+        elapsed = time.perf_counter() - started
+    return elapsed
+
+
+def open_direct(path: Path) -> int:
+    """The data file, O_DIRECT as the store's segments; buffered where the file system
+    refuses O_DIRECT (tmpfs), as the store then falls back too."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def thread_writes(
+    root: Path, payloads: Payloads, batches: int, depth: int, *, flush: bool
+) -> float:
+    """Seconds for the same records written by plain threads (module docstring)."""
+    root.mkdir(parents=True, exist_ok=True)
+    page_bytes = payloads.pages[0].nbytes
+    span = BLOCK_BYTES + page_bytes
+    # Records per write: the store gathers in-place pages into writes of up to
+    # GATHER_BYTES (four 256 KiB pages, one 1 MiB page).
+    gather = max(1, min(BATCH, GATHER_BYTES // page_bytes))
+    data = open_direct(root / "data")
+    wal = os.open(root / "wal", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    headers = mmap.mmap(-1, depth * BATCH * BLOCK_BYTES)
+    header_view = memoryview(headers)
+    commit = threading.Lock()
+    record = os.urandom(WAL_RECORD_BYTES * BATCH)
+    try:
+        os.posix_fallocate(data, 0, (batches + depth + 2) * BATCH * span)
+        with (
+            ThreadPoolExecutor(IO_THREADS) as io,
+            ThreadPoolExecutor(depth) as pipeline,
+        ):
+
+            def one_batch(index: int, offset: int) -> None:
+                pages = payloads.batch(index)
+                slot = (index % depth) * BATCH * BLOCK_BYTES
+                writes = []
+                for first in range(0, BATCH, gather):
+                    vectors: list[memoryview] = []
+                    for i in range(first, min(first + gather, BATCH)):
+                        start = slot + i * BLOCK_BYTES
+                        vectors += [header_view[start : start + BLOCK_BYTES], pages[i]]
+                    writes.append(io.submit(os.pwritev, data, vectors, offset + first * span))
+                for write in writes:
+                    write.result()
+                if flush:
+                    with commit:
+                        os.fdatasync(data)
+                        os.write(wal, record)
+                        os.fdatasync(wal)
+
+            def run(first: int, count: int) -> None:
+                in_flight: collections.deque[Future[None]] = collections.deque()
+                for index in range(first, first + count):
+                    if len(in_flight) >= depth:
+                        in_flight.popleft().result()
+                    in_flight.append(pipeline.submit(one_batch, index, index * BATCH * span))
+                while in_flight:
+                    in_flight.popleft().result()
+
+            run(0, depth + 2)
+            started = time.perf_counter()
+            run(depth + 2, batches)
+            elapsed = time.perf_counter() - started
+    finally:
+        os.close(data)
+        os.close(wal)
+    return elapsed
+
+
+def fio_rate(fio: FioStatus, directory: Path, profile: str, total_bytes: int) -> float:
+    """fio's MB/s for ``profile`` writing ``total_bytes`` into ``directory``."""
+    (found,) = run_fio_profiles(
+        fio, directory, max(1, total_bytes // MIB), FIO_RUNTIME_S, NullReporter(), (profile,)
+    )
+    return float(found.extra["write_mb_per_s"])
+
+
+def measure(
+    directory: Path,
+    page_bytes: int,
+    total_bytes: int,
+    depth: int,
+    rounds: int,
+    seed: int,
+    fio: FioStatus | None = None,
+) -> dict[str, list[float]]:
+    """MB/s per variant per round (module docstring), variants in random order."""
+    rng = random.Random(seed)
+    batches = max(1, total_bytes // (BATCH * page_bytes))
+    payloads = Payloads(page_bytes, depth + 2)
+    profile = FIO_PROFILE.get(page_bytes) if fio is not None and fio.available else None
+    variants = VARIANTS + ((FIO,) if profile is not None else ())
+    rates: dict[str, list[float]] = {variant: [] for variant in variants}
+    payload = batches * BATCH * page_bytes
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for variant in order:
+            root = directory / "write-shape"
+            shutil.rmtree(root, ignore_errors=True)
+            if variant == FIO:
+                assert fio is not None and profile is not None
+                rates[variant].append(fio_rate(fio, root, profile, payload))
+                shutil.rmtree(root, ignore_errors=True)
+                continue
+            try:
+                if variant.startswith("store"):
+                    elapsed = store_puts(
+                        root, payloads, batches, depth, sync=variant == "store, sync"
+                    )
+                else:
+                    elapsed = thread_writes(root, payloads, batches, depth, flush="two" in variant)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            rates[variant].append(payload / elapsed / 1e6)
+    return rates
+
+
+def report(rates: dict[str, list[float]]) -> dict[str, object]:
+    """Medians and the ratios that matter: the store's against the threads' (and fio's)."""
+    medians = {variant: statistics.median(values) for variant, values in rates.items()}
+    against_fio: dict[str, float] = {}
+    if FIO in medians:
+        against_fio = {
+            "store_sync_over_fio": round(medians["store, sync"] / medians[FIO], 3),
+            "threads_two_flushes_over_fio": round(
+                medians["threads, two flushes"] / medians[FIO], 3
+            ),
+        }
+    return {
+        "mb_per_s": {variant: [round(v) for v in values] for variant, values in rates.items()},
+        "median_mb_per_s": {variant: round(v) for variant, v in medians.items()},
+        "store_sync_over_threads_two_flushes": round(
+            medians["store, sync"] / medians["threads, two flushes"], 3
+        ),
+        "store_no_sync_over_threads_no_flush": round(
+            medians["store, no sync"] / medians["threads, no flush"], 3
+        ),
+        **against_fio,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dir", type=Path, required=True, help="a directory on the disk to measure"
+    )
+    parser.add_argument("--page-kib", type=int, default=256, help="page size (default 256)")
+    parser.add_argument("--mib", type=int, default=2048, help="MiB written per variant and round")
+    parser.add_argument("--depth", type=int, default=2, help="batches in flight (pipeline_depth)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1, help="the variants' order")
+    parser.add_argument(
+        "--fio", default=None, help="fio's path, or 'none' to skip it (default: fio on PATH)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+    if args.page_kib < 4 or args.page_kib % 4:
+        parser.error(f"--page-kib must be a positive multiple of 4, got {args.page_kib}")
+    for name in ("mib", "depth", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    fio = find_fio(args.fio)
+    rates = measure(
+        args.dir, args.page_kib * KIB, args.mib * MIB, args.depth, args.rounds, args.seed, fio
+    )
+    result = {
+        "page_kib": args.page_kib,
+        "mib": args.mib,
+        "depth": args.depth,
+        "rounds": args.rounds,
+        "fio": fio.version if fio.available else fio.reason,
+        **report(rates),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    summary = result
+    medians = summary["median_mb_per_s"]
+    assert isinstance(medians, dict)
+    print(
+        f"{args.page_kib} KiB pages, {args.mib} MiB per variant, depth {args.depth}, "
+        "MB/s per round:"
+    )
+    for variant in rates:
+        values = ", ".join(f"{v:,.0f}" for v in rates[variant])
+        print(f"  {variant:<22} {values}   (median {medians[variant]:,})")
+    print(
+        f"  store / threads: sync {summary['store_sync_over_threads_two_flushes']}, "
+        f"no sync {summary['store_no_sync_over_threads_no_flush']}"
+    )
+    if "store_sync_over_fio" in summary:
+        print(
+            f"  against fio: store, sync {summary['store_sync_over_fio']}; "
+            f"threads, two flushes {summary['threads_two_flushes_over_fio']}"
+        )
+    else:
+        print(f"  (no fio row: {result['fio']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
