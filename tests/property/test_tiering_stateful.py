@@ -602,6 +602,23 @@ class EngineGatedMachine(GatedMachine):
     hbm = "engine"
 
 
+class ThreadPoolMachine(TierMachine):
+    """The store under the manager on its fallback I/O engine (a thread pool where
+    io_uring is missing or refused): the same invariants on that path."""
+
+    admission = "value_density"
+
+    def config(self) -> TierConfig:
+        config = super().config()
+        options = {**config.nvme_options, "io_engine": "threadpool"}
+        return dataclasses.replace(config, nvme_options=options)
+
+    def open(self) -> TierManager:
+        tm = super().open()
+        assert tm.store.stats().io_engine == "threadpool"
+        return tm
+
+
 TestTieringAll = TierMachine.TestCase
 TestTieringAll.settings = SETTINGS
 TestTieringDisplacement = DisplacementMachine.TestCase
@@ -614,6 +631,8 @@ TestTieringEngineValueDensity = EngineValueDensityMachine.TestCase
 TestTieringEngineValueDensity.settings = SETTINGS
 TestTieringGated = GatedMachine.TestCase
 TestTieringGated.settings = SETTINGS
+TestTieringThreadPool = ThreadPoolMachine.TestCase
+TestTieringThreadPool.settings = SETTINGS
 TestTieringEngineGated = EngineGatedMachine.TestCase
 TestTieringEngineGated.settings = SETTINGS
 
