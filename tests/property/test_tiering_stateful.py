@@ -619,6 +619,22 @@ class ThreadPoolMachine(TierMachine):
         return tm
 
 
+class BufferedMachine(TierMachine):
+    """The store under the manager without O_DIRECT (a file system that refuses it):
+    reads and writes through the page cache, the same invariants."""
+
+    admission = "value_density"
+
+    def config(self) -> TierConfig:
+        config = super().config()
+        return dataclasses.replace(config, nvme_options={**config.nvme_options, "direct_io": False})
+
+    def open(self) -> TierManager:
+        tm = super().open()
+        assert tm.store.stats().direct_io is False
+        return tm
+
+
 TestTieringAll = TierMachine.TestCase
 TestTieringAll.settings = SETTINGS
 TestTieringDisplacement = DisplacementMachine.TestCase
@@ -633,6 +649,8 @@ TestTieringGated = GatedMachine.TestCase
 TestTieringGated.settings = SETTINGS
 TestTieringThreadPool = ThreadPoolMachine.TestCase
 TestTieringThreadPool.settings = SETTINGS
+TestTieringBuffered = BufferedMachine.TestCase
+TestTieringBuffered.settings = SETTINGS
 TestTieringEngineGated = EngineGatedMachine.TestCase
 TestTieringEngineGated.settings = SETTINGS
 
