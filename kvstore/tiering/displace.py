@@ -7,7 +7,8 @@ once, every such write trades a page that will be read again for one that will n
 sketch (``FrequencySketch``: TinyLFU's, Einziger, Friedman and Manes, "TinyLFU: A
 Highly Efficient Cache Admission Policy", 2017) and, while its rule is on, admits a
 write into a full NVMe only if the page was asked for more often than the victim it
-would displace (docs/tiering.md, "Admission against the displaced page").
+would displace and at least twice (docs/tiering.md, "Admission against the displaced
+page").
 
 The same rule loses where new pages are what the next requests want: a session's
 newest turn has been asked for once, the pages of sessions that ended many times. So
@@ -194,7 +195,7 @@ class Displacement:
             filtered[key] = None
         else:
             victim = next(iter(filtered))
-            if self.sketch.estimate(key) > self.sketch.estimate(victim):
+            if self._beats(key, victim):
                 filtered.popitem(last=False)
                 filtered[key] = None
 
@@ -202,10 +203,16 @@ class Displacement:
 
     def admits(self, key: bytes, victim: bytes) -> bool:
         """Whether a write of ``key`` into a full NVMe may displace ``victim``: always
-        while the rule is off, else only a page asked for more often lately."""
-        if not self.on:
-            return True
-        return self.sketch.estimate(key) > self.sketch.estimate(victim)
+        while the rule is off, else only a page asked for at least twice lately and
+        more often than the victim."""
+        return not self.on or self._beats(key, victim)
+
+    def _beats(self, key: bytes, victim: bytes) -> bool:
+        """The rule's test, in NVMe and in the filtered model alike."""
+        count = self.sketch.estimate(key)
+        # A page asked for once is the torrent's: it does not replace even a page no
+        # one asked for lately (which may be a document read again after a while).
+        return count >= 2 and count > self.sketch.estimate(victim)
 
     def model_hits(self) -> tuple[float, float]:
         """(unfiltered, filtered) models' hits, decayed: the evidence behind ``on``."""

@@ -112,6 +112,21 @@ def test_the_filtered_model_keeps_what_is_read_again_and_turns_the_rule_on() -> 
     assert rule.admits(k("doc", 0), b"fresh")
 
 
+def test_on_a_page_asked_for_once_displaces_not_even_a_page_no_one_asked_for() -> None:
+    """A page seen once is the torrent's; a stale page may be a document read again
+    after a while. A page asked for twice replaces it."""
+    rule = Displacement(nvme_pages=10, cache_pages=40)
+    _popular_then_torrent(rule, popular=8, rounds=200)
+    assert rule.on
+    assert rule.sketch.estimate(b"stale") == 0
+    rule.counted(b"once")
+    assert not rule.admits(b"once", b"stale")
+    rule.counted(b"twice")
+    rule.counted(b"twice")
+    assert rule.admits(b"twice", b"stale")
+    assert not rule.admits(b"twice", k("doc", 0))  # asked for less often than a document
+
+
 def test_new_pages_read_again_turn_the_rule_off() -> None:
     """A session's newest pages have one arrival; the pages of sessions that ended have
     many. Where the next requests want the new ones, the filtered model loses them to
