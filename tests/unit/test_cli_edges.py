@@ -16,6 +16,7 @@ from click.testing import CliRunner, Result
 from kvstore import KVStore
 from kvstore.cli import main
 from kvstore.format.names import DEMO_MARKER_NAME
+from tests.conftest import open_small_store
 
 
 def run(*args: str, stdin: bytes | None = None) -> Result:
@@ -29,7 +30,7 @@ def json_of(result: Result) -> Any:
 @pytest.fixture
 def built_store(tmp_path: Path) -> Path:
     path = tmp_path / "store"
-    with KVStore.open(path, create=True) as store:
+    with open_small_store(path) as store:  # 1 MiB segments: the default preallocates 256
         store.put("k", b"value", sync=True)
     return path
 
