@@ -25,7 +25,9 @@ format's I/O costs. Each round runs, in random order, on a fresh directory:
                        the page is 256 KiB or 1 MiB: the bench's reference
 
 The threads have no checksums, index, WAL records or locks: what the store gets
-below them is its own code's cost, not the format's or the commit's. See
+below them is its own code's cost, not the format's or the commit's. (Their file is
+preallocated before the clock starts, as fio's is; the store creates its segments as
+it fills them, inside the timed run.) See
 docs/benchmarks.md ("What limits 256 KiB durable puts").
 """
 
@@ -43,8 +45,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from kvstore import KVStore
 from kvstore.bench.common import KIB, MIB, NullReporter
@@ -54,10 +58,12 @@ from kvstore.runtime.writer import GATHER_BYTES
 
 BATCH = 32  # pages per put_many call, as the bench's durable-put rows
 IO_THREADS = 8
-FIO_RUNTIME_S = 60  # a bound: the profile stops at its size long before
+FIO_RUNTIME_S = 60  # BENCH_RUNTIME for run_fio_profiles; these profiles stop at their size
 WAL_RECORD_BYTES = 100  # about a PUT record with a short key
 
 VARIANTS = ("store, sync", "store, no sync", "threads, two flushes", "threads, no flush")
+MIN_PAGE_KIB = 16  # smaller pages the store copies into its own buffers (another shape)
+MAX_PAGE_KIB = 16 * 1024  # the store's default max_page_bytes
 FIO = "fio, sync32"
 FIO_PROFILE = {256 * KIB: "seq_write_256k_sync32", MIB: "seq_write_1m_sync32"}
 
@@ -80,9 +86,18 @@ class Payloads:
         return self.pages[base : base + BATCH]
 
 
-def store_puts(root: Path, payloads: Payloads, batches: int, depth: int, *, sync: bool) -> float:
-    """Seconds for ``batches`` pipelined batches of durable (or plain) puts."""
-    with KVStore.open(root, create=True, pipeline_depth=depth) as store:
+def store_puts(
+    root: Path,
+    payloads: Payloads,
+    batches: int,
+    depth: int,
+    *,
+    sync: bool,
+    options: Mapping[str, Any] | None = None,
+) -> float:
+    """Seconds for ``batches`` pipelined batches of durable (or plain) puts; ``options``
+    go to ``KVStore.open`` (the tests' small segments)."""
+    with KVStore.open(root, create=True, pipeline_depth=depth, **(options or {})) as store:
         in_flight: collections.deque[Future[list[bool]]] = collections.deque()
         counter = 0
 
@@ -125,16 +140,17 @@ def thread_writes(
     root.mkdir(parents=True, exist_ok=True)
     page_bytes = payloads.pages[0].nbytes
     span = BLOCK_BYTES + page_bytes
-    # Records per write: the store gathers in-place pages into writes of up to
-    # GATHER_BYTES (four 256 KiB pages, one 1 MiB page).
-    gather = max(1, min(BATCH, GATHER_BYTES // page_bytes))
-    data = open_direct(root / "data")
-    wal = os.open(root / "wal", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    headers = mmap.mmap(-1, depth * BATCH * BLOCK_BYTES)
-    header_view = memoryview(headers)
+    # Records per write, as the store's writer queues a gathered write: once its
+    # records' spans reach GATHER_BYTES (four 256 KiB pages, one 1 MiB page).
+    gather = min(BATCH, -(-GATHER_BYTES // span))
     commit = threading.Lock()
     record = os.urandom(WAL_RECORD_BYTES * BATCH)
+    headers = mmap.mmap(-1, depth * BATCH * BLOCK_BYTES)
+    header_view = memoryview(headers)
+    data = wal = -1
     try:
+        data = open_direct(root / "data")
+        wal = os.open(root / "wal", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.posix_fallocate(data, 0, (batches + depth + 2) * BATCH * span)
         with (
             ThreadPoolExecutor(IO_THREADS) as io,
@@ -150,13 +166,17 @@ def thread_writes(
                     for i in range(first, min(first + gather, BATCH)):
                         start = slot + i * BLOCK_BYTES
                         vectors += [header_view[start : start + BLOCK_BYTES], pages[i]]
-                    writes.append(io.submit(os.pwritev, data, vectors, offset + first * span))
-                for write in writes:
-                    write.result()
+                    at = offset + first * span
+                    wanted = sum(v.nbytes for v in vectors)
+                    writes.append((io.submit(os.pwritev, data, vectors, at), at, wanted))
+                for write, at, wanted in writes:
+                    if write.result() != wanted:
+                        raise OSError(errno.EIO, f"short write at byte {at} of {root / 'data'}")
                 if flush:
                     with commit:
                         os.fdatasync(data)
-                        os.write(wal, record)
+                        if os.write(wal, record) != len(record):
+                            raise OSError(errno.EIO, f"short write to {root / 'wal'}")
                         os.fdatasync(wal)
 
             def run(first: int, count: int) -> None:
@@ -173,8 +193,11 @@ def thread_writes(
             run(depth + 2, batches)
             elapsed = time.perf_counter() - started
     finally:
-        os.close(data)
-        os.close(wal)
+        for fd in (data, wal):
+            if fd >= 0:
+                os.close(fd)
+        header_view.release()
+        headers.close()
     return elapsed
 
 
@@ -194,8 +217,10 @@ def measure(
     rounds: int,
     seed: int,
     fio: FioStatus | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, list[float]]:
-    """MB/s per variant per round (module docstring), variants in random order."""
+    """MB/s per variant per round (module docstring), variants in random order; fio's
+    row where fio is available and has a profile for the page size."""
     rng = random.Random(seed)
     batches = max(1, total_bytes // (BATCH * page_bytes))
     payloads = Payloads(page_bytes, depth + 2)
@@ -209,22 +234,30 @@ def measure(
         for variant in order:
             root = directory / "write-shape"
             shutil.rmtree(root, ignore_errors=True)
-            if variant == FIO:
-                assert fio is not None and profile is not None
-                rates[variant].append(fio_rate(fio, root, profile, payload))
-                shutil.rmtree(root, ignore_errors=True)
-                continue
             try:
+                if variant == FIO:
+                    assert fio is not None and profile is not None
+                    rates[variant].append(fio_rate(fio, root, profile, payload))
+                    continue
                 if variant.startswith("store"):
-                    elapsed = store_puts(
-                        root, payloads, batches, depth, sync=variant == "store, sync"
-                    )
+                    sync = variant == "store, sync"
+                    elapsed = store_puts(root, payloads, batches, depth, sync=sync, options=options)
                 else:
                     elapsed = thread_writes(root, payloads, batches, depth, flush="two" in variant)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             rates[variant].append(payload / elapsed / 1e6)
     return rates
+
+
+def fio_row(fio: FioStatus, page_bytes: int) -> str:
+    """Why there is or is not a fio row: fio's version, or the reason."""
+    if not fio.available:
+        return f"no fio row: {fio.reason}"
+    if page_bytes not in FIO_PROFILE:
+        sizes = " or ".join(f"{size // KIB} KiB" for size in FIO_PROFILE)
+        return f"no fio row: fio has a durable-write profile for {sizes} pages only"
+    return fio.version
 
 
 def report(rates: dict[str, list[float]]) -> dict[str, object]:
@@ -266,33 +299,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
-    if args.page_kib < 4 or args.page_kib % 4:
-        parser.error(f"--page-kib must be a positive multiple of 4, got {args.page_kib}")
+    if not MIN_PAGE_KIB <= args.page_kib <= MAX_PAGE_KIB or args.page_kib % 4:
+        parser.error(
+            f"--page-kib must be a multiple of 4 from {MIN_PAGE_KIB} to {MAX_PAGE_KIB} (the "
+            f"pages the store writes from their own memory, up to its largest page), got "
+            f"{args.page_kib}"
+        )
     for name in ("mib", "depth", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     args.dir.mkdir(parents=True, exist_ok=True)
     fio = find_fio(args.fio)
-    rates = measure(
-        args.dir, args.page_kib * KIB, args.mib * MIB, args.depth, args.rounds, args.seed, fio
-    )
-    result = {
+    page_bytes = args.page_kib * KIB
+    batches = max(1, args.mib * MIB // (BATCH * page_bytes))
+    rates = measure(args.dir, page_bytes, args.mib * MIB, args.depth, args.rounds, args.seed, fio)
+    summary: dict[str, object] = {
         "page_kib": args.page_kib,
-        "mib": args.mib,
+        "bytes_per_variant": batches * BATCH * page_bytes,  # whole batches of 32 pages
         "depth": args.depth,
         "rounds": args.rounds,
-        "fio": fio.version if fio.available else fio.reason,
+        "seed": args.seed,
+        "fio": fio_row(fio, page_bytes),
         **report(rates),
     }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(summary, indent=2))
         return 0
-    summary = result
     medians = summary["median_mb_per_s"]
     assert isinstance(medians, dict)
     print(
-        f"{args.page_kib} KiB pages, {args.mib} MiB per variant, depth {args.depth}, "
-        "MB/s per round:"
+        f"{args.page_kib} KiB pages, {batches * BATCH * page_bytes / MIB:,.0f} MiB per "
+        f"variant, depth {args.depth}, MB/s per round:"
     )
     for variant in rates:
         values = ", ".join(f"{v:,.0f}" for v in rates[variant])
@@ -307,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             f"threads, two flushes {summary['threads_two_flushes_over_fio']}"
         )
     else:
-        print(f"  (no fio row: {result['fio']})")
+        print(f"  ({summary['fio']})")
     return 0
 
 

@@ -193,9 +193,10 @@ class TierConfig:
     # class of pages is written while at least this share of its writes is read back
     # from NVMe (ghosts measure a closed class). None: every page VD admits is written.
     nvme_write_payoff: float | None = 0.001
-    # A write into a full NVMe only of a page asked for more often lately than the page
-    # it displaces, while miniature models of NVMe show the rule serving more hits
-    # (docs/tiering.md, "Admission against the displaced page"). False: never.
+    # A write into a full NVMe only of a page asked for at least twice lately and more
+    # often than the page it displaces, while miniature models of NVMe show the rule
+    # serving more hits (docs/tiering.md, "Admission against the displaced page").
+    # False: never.
     nvme_displacement: bool = True
     persist_stats_s: float = 30.0
     warm_dram_on_open: bool = True

@@ -134,8 +134,9 @@ def tier_families(stats: TierStats) -> Iterator[Metric]:
     if stats.nvme_displacement is not None:
         yield GaugeMetricFamily(
             "kvstore_tier_nvme_displacement_on",
-            "1 while a write into a full NVMe must be of a page asked for more often "
-            "lately than the page it displaces (measured to serve more hits), else 0",
+            "1 while a write into a full NVMe must be of a page asked for at least twice "
+            "lately and more often than the page it displaces (measured to serve more "
+            "hits), else 0",
             value=1.0 if stats.nvme_displacement["on"] else 0.0,
         )
     yield _split_counter(

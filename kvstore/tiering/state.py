@@ -339,6 +339,7 @@ class TierState:
             # hbm="engine": the engine's GPU copy alone is no copy the manager can
             # serve; forgotten, its next offer is admitted again (not "present").
             self.clear_tier(rec, HBM)
+            self.bump("evict:hbm:forgotten")
         gone = rec.tiers == 0 and rec.pins == 0 and not rec.waiters
         if gone and self.pages.get(rec.key) is rec:
             del self.pages[rec.key]

@@ -127,6 +127,19 @@ def test_on_a_page_asked_for_once_displaces_not_even_a_page_no_one_asked_for() -
     assert not rule.admits(b"twice", k("doc", 0))  # asked for less often than a document
 
 
+def test_the_filtered_model_applies_the_same_two_asks() -> None:
+    rule = Displacement(nvme_pages=2, cache_pages=40)
+    for stale in (b"stale-1", b"stale-2"):
+        rule.candidate(stale)  # never asked for: counted 0
+    rule.counted(b"once")
+    rule.candidate(b"once")
+    assert b"once" in rule._plain.keys and b"once" not in rule._filtered.keys
+    rule.counted(b"twice")
+    rule.counted(b"twice")
+    rule.candidate(b"twice")
+    assert b"twice" in rule._filtered.keys and b"stale-1" not in rule._filtered.keys
+
+
 def test_new_pages_read_again_turn_the_rule_off() -> None:
     """A session's newest pages have one arrival; the pages of sessions that ended have
     many. Where the next requests want the new ones, the filtered model loses them to
