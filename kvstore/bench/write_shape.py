@@ -45,15 +45,16 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from kvstore import KVStore
 from kvstore.bench.common import KIB, MIB, NullReporter
 from kvstore.bench.fio import FioStatus, find_fio, run_fio_profiles
+from kvstore.bench.fio_ratios import StoreOptions, aligned_payloads, durable_puts
+from kvstore.config import StoreConfig
 from kvstore.format.constants import BLOCK_BYTES
+from kvstore.io.files import open_data_file
 from kvstore.runtime.writer import GATHER_BYTES
 
 BATCH = 32  # pages per put_many call, as the bench's durable-put rows
@@ -68,77 +69,49 @@ FIO = "fio, sync32"
 FIO_PROFILE = {256 * KIB: "seq_write_256k_sync32", MIB: "seq_write_1m_sync32"}
 
 
-class Payloads:
-    """``slots`` batches of page-sized views into one anonymous (page-aligned) mapping."""
-
-    def __init__(self, page_bytes: int, slots: int) -> None:
-        self._map = mmap.mmap(-1, slots * BATCH * page_bytes)
-        chunk = os.urandom(min(len(self._map), 4 * MIB))
-        for start in range(0, len(self._map), len(chunk)):
-            end = min(start + len(chunk), len(self._map))
-            self._map[start:end] = chunk[: end - start]
-        view = memoryview(self._map)
-        self.pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(slots * BATCH)]
-        self.slots = slots
-
-    def batch(self, index: int) -> list[memoryview]:
-        base = (index % self.slots) * BATCH
-        return self.pages[base : base + BATCH]
+def batch_of(payloads: Sequence[memoryview], index: int) -> list[memoryview]:
+    """Batch ``index``'s pages: ``durable_puts``'s choice of payload per page."""
+    return [payloads[(index * BATCH + i) % len(payloads)] for i in range(BATCH)]
 
 
 def store_puts(
     root: Path,
-    payloads: Payloads,
-    batches: int,
+    payloads: Sequence[memoryview],
+    total_bytes: int,
     depth: int,
     *,
     sync: bool,
-    options: Mapping[str, Any] | None = None,
+    segment_bytes: int | None = None,
 ) -> float:
-    """Seconds for ``batches`` pipelined batches of durable (or plain) puts; ``options``
-    go to ``KVStore.open`` (the tests' small segments)."""
-    with KVStore.open(root, create=True, pipeline_depth=depth, **(options or {})) as store:
-        in_flight: collections.deque[Future[list[bool]]] = collections.deque()
-        counter = 0
-
-        def run(count: int) -> None:
-            nonlocal counter
-            for index in range(count):
-                items = [
-                    (f"k{counter + i}".encode(), page)
-                    for i, page in enumerate(payloads.batch(index))
-                ]
-                counter += len(items)
-                if len(in_flight) >= depth:
-                    in_flight.popleft().result()
-                in_flight.append(store.put_many_async(items, sync=sync))
-            while in_flight:
-                in_flight.popleft().result()
-
-        run(depth + 2)  # warm-up: the pipeline threads, the ring, the first segment
-        started = time.perf_counter()
-        run(batches)
-        elapsed = time.perf_counter() - started
-    return elapsed
-
-
-def open_direct(path: Path) -> int:
-    """The data file, O_DIRECT as the store's segments; buffered where the file system
-    refuses O_DIRECT (tmpfs), as the store then falls back too."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """MB/s of the bench's pipelined puts (``fio_ratios.durable_puts``), durable or
+    left to the flusher; ``segment_bytes`` (default: the store's) for small tests."""
+    defaults = StoreConfig()
+    options = StoreOptions(
+        segment_bytes=segment_bytes or defaults.segment_bytes,
+        io_depth=defaults.io_depth,
+        pipeline_depth=depth,
+    )
+    workload = "store, sync" if sync else "store, no sync"
+    result = durable_puts(
+        root,
+        options,
+        payloads,
+        total_bytes,
+        BATCH,
+        None,
+        workload=workload,
+        pipelined=True,
+        sync=sync,
+    )
+    return result.mbps
 
 
 def thread_writes(
-    root: Path, payloads: Payloads, batches: int, depth: int, *, flush: bool
+    root: Path, payloads: Sequence[memoryview], batches: int, depth: int, *, flush: bool
 ) -> float:
     """Seconds for the same records written by plain threads (module docstring)."""
     root.mkdir(parents=True, exist_ok=True)
-    page_bytes = payloads.pages[0].nbytes
+    page_bytes = payloads[0].nbytes
     span = BLOCK_BYTES + page_bytes
     # Records per write, as the store's writer queues a gathered write: once its
     # records' spans reach GATHER_BYTES (four 256 KiB pages, one 1 MiB page).
@@ -149,16 +122,16 @@ def thread_writes(
     header_view = memoryview(headers)
     data = wal = -1
     try:
-        data = open_direct(root / "data")
+        data = open_data_file(root / "data", direct=True, create=True)
         wal = os.open(root / "wal", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.posix_fallocate(data, 0, (batches + depth + 2) * BATCH * span)
+        os.posix_fallocate(data, 0, batches * BATCH * span)
         with (
             ThreadPoolExecutor(IO_THREADS) as io,
             ThreadPoolExecutor(depth) as pipeline,
         ):
 
             def one_batch(index: int, offset: int) -> None:
-                pages = payloads.batch(index)
+                pages = batch_of(payloads, index)
                 slot = (index % depth) * BATCH * BLOCK_BYTES
                 writes = []
                 for first in range(0, BATCH, gather):
@@ -188,9 +161,8 @@ def thread_writes(
                 while in_flight:
                     in_flight.popleft().result()
 
-            run(0, depth + 2)
             started = time.perf_counter()
-            run(depth + 2, batches)
+            run(0, batches)
             elapsed = time.perf_counter() - started
     finally:
         for fd in (data, wal):
@@ -217,13 +189,13 @@ def measure(
     rounds: int,
     seed: int,
     fio: FioStatus | None = None,
-    options: Mapping[str, Any] | None = None,
+    segment_bytes: int | None = None,
 ) -> dict[str, list[float]]:
     """MB/s per variant per round (module docstring), variants in random order; fio's
     row where fio is available and has a profile for the page size."""
     rng = random.Random(seed)
     batches = max(1, total_bytes // (BATCH * page_bytes))
-    payloads = Payloads(page_bytes, depth + 2)
+    payloads = aligned_payloads((depth + 2) * BATCH, page_bytes)
     profile = FIO_PROFILE.get(page_bytes) if fio is not None and fio.available else None
     variants = VARIANTS + ((FIO,) if profile is not None else ())
     rates: dict[str, list[float]] = {variant: [] for variant in variants}
@@ -241,12 +213,15 @@ def measure(
                     continue
                 if variant.startswith("store"):
                     sync = variant == "store, sync"
-                    elapsed = store_puts(root, payloads, batches, depth, sync=sync, options=options)
+                    rate = store_puts(
+                        root, payloads, payload, depth, sync=sync, segment_bytes=segment_bytes
+                    )
                 else:
                     elapsed = thread_writes(root, payloads, batches, depth, flush="two" in variant)
+                    rate = payload / elapsed / 1e6
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            rates[variant].append(payload / elapsed / 1e6)
+            rates[variant].append(rate)
     return rates
 
 

@@ -29,7 +29,7 @@ from kvstore.tiering.evict_writes import EvictionWrites, FireWaiters
 from kvstore.tiering.measure import Measurements
 from kvstore.tiering.mover_api import Mover, Ticket
 from kvstore.tiering.nvme import NvmeTier
-from kvstore.tiering.pages import BIT, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
+from kvstore.tiering.pages import ABOVE_NVME, DRAM, HBM, NVME, TIER_NAMES, PageRec, PageState
 from kvstore.tiering.policy import EvictionOrder
 from kvstore.tiering.state import TierState
 from kvstore.tiering.value import Valuation
@@ -422,7 +422,7 @@ class Eviction(EvictionWrites):
         eligible = self._eligible(NVME, force)
 
         def nvme_only(rec: PageRec) -> bool:
-            return not rec.tiers & _ABOVE_NVME and eligible(rec)
+            return not rec.tiers & ABOVE_NVME and eligible(rec)
 
         scan = want * 8 + 64
         done = 0
@@ -536,7 +536,7 @@ class Eviction(EvictionWrites):
         eligible = self._eligible(NVME, True)
         order = self._orders[NVME]
         found = order.victims(
-            1, lambda r: not r.tiers & _ABOVE_NVME and eligible(r), 64
+            1, lambda r: not r.tiers & ABOVE_NVME and eligible(r), 64
         ) or order.victims(1, eligible, 64)
         victim = found[0] if found else None
         self._nvme_victim_at = (now, victim)
@@ -666,7 +666,6 @@ def _no_waiters(rec: PageRec, **_: object) -> None:
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
-_ABOVE_NVME = BIT[HBM] | BIT[DRAM]  # PageRec.tiers: a copy above NVMe
 # How long the displacement rule's NVMe victim is reused (while it stays on NVMe): less
 # than any gap between two requests of a trace, so a replay's decisions are per request.
 _VICTIM_TTL_S = 0.0005

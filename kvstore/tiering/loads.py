@@ -22,7 +22,7 @@ from kvstore.tiering.cost import Bandwidth, CostModel
 from kvstore.tiering.evict import Eviction
 from kvstore.tiering.mover_api import Path, Priority, Ticket
 from kvstore.tiering.nvme import NvmeTier
-from kvstore.tiering.pages import DRAM, HBM, NVME, PageRec, PageState, page_key
+from kvstore.tiering.pages import ABOVE_NVME, DRAM, HBM, NVME, PageRec, PageState, page_key
 from kvstore.tiering.results import LoadHandle, LoadPlan, LookupResult, LookupState, RequestContext
 from kvstore.tiering.state import TierState
 from kvstore.tiering.value import Valuation
@@ -31,7 +31,6 @@ __all__ = ["Loads"]
 
 _WARM_BATCH = 16
 _DEMAND_WAIT_S = 1.0  # a demand read waits this long for a DRAM slot, then fails
-_ABOVE_NVME = 1 << HBM | 1 << DRAM  # the tier bits of HBM and DRAM
 _TOP_TIER = (-1, 0, 1, 0, 2, 0, 1, 0)  # PageRec.top_tier(), indexed by the tier bits
 # Enum members as module constants: in the hot paths an enum attribute read costs
 # 0.1-0.2 us each (Python 3.11), as much as the rest of a line.
@@ -101,7 +100,7 @@ class Loads:
     def _held_above_nvme(self, key: bytes) -> bool:
         """Whether HBM or DRAM holds ``key`` (a lookup of it is no NVMe read)."""
         rec = self._pages.get(key)
-        return rec is not None and bool(rec.tiers & _ABOVE_NVME)
+        return rec is not None and bool(rec.tiers & ABOVE_NVME)
 
     def lookup(
         self, keys: Sequence[object], ctx: RequestContext, tokens: int | None

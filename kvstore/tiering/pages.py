@@ -34,6 +34,7 @@ class Tier(enum.IntEnum):
 HBM, DRAM, NVME = Tier.HBM, Tier.DRAM, Tier.NVME
 TIER_NAMES = ("hbm", "dram", "nvme")
 BIT = (1, 2, 4)
+ABOVE_NVME = BIT[HBM] | BIT[DRAM]  # PageRec.tiers: a copy above NVMe
 
 
 class PageState(enum.IntEnum):

@@ -614,57 +614,54 @@ class EngineGatedMachine(GatedMachine):
     hbm = "engine"
 
 
-class ThreadPoolMachine(TierMachine):
-    """The store under the manager on its fallback I/O engine (a thread pool where
-    io_uring is missing or refused): the same invariants on that path."""
+class StoreFallbackMachine(TierMachine):
+    """The store under the manager on one of its fallbacks: ``store_option`` (a store
+    option whose value its stats report under the same name) is set, and checked to be
+    in force. The same invariants on that path."""
 
     admission = "value_density"
+    store_option: ClassVar[tuple[str, object]]
 
     def config(self) -> TierConfig:
         config = super().config()
-        options = {**config.nvme_options, "io_engine": "threadpool"}
-        return dataclasses.replace(config, nvme_options=options)
+        name, value = self.store_option
+        return dataclasses.replace(config, nvme_options={**config.nvme_options, name: value})
 
     def open(self) -> TierManager:
         tm = super().open()
-        assert tm.store.stats().io_engine == "threadpool"
+        name, value = self.store_option
+        assert getattr(tm.store.stats(), name) == value
         return tm
 
 
-class BufferedMachine(TierMachine):
-    """The store under the manager without O_DIRECT (a file system that refuses it):
-    reads and writes through the page cache, the same invariants."""
+class ThreadPoolMachine(StoreFallbackMachine):
+    """The thread-pool I/O engine (where io_uring is missing or refused)."""
 
-    admission = "value_density"
-
-    def config(self) -> TierConfig:
-        config = super().config()
-        return dataclasses.replace(config, nvme_options={**config.nvme_options, "direct_io": False})
-
-    def open(self) -> TierManager:
-        tm = super().open()
-        assert tm.store.stats().direct_io is False
-        return tm
+    store_option = ("io_engine", "threadpool")
 
 
-TestTieringAll = TierMachine.TestCase
-TestTieringAll.settings = SETTINGS
-TestTieringDisplacement = DisplacementMachine.TestCase
-TestTieringDisplacement.settings = SETTINGS
-TestTieringValueDensity = ValueDensityMachine.TestCase
-TestTieringValueDensity.settings = SETTINGS
-TestTieringEngineAll = EngineMachine.TestCase
-TestTieringEngineAll.settings = SETTINGS
-TestTieringEngineValueDensity = EngineValueDensityMachine.TestCase
-TestTieringEngineValueDensity.settings = SETTINGS
-TestTieringGated = GatedMachine.TestCase
-TestTieringGated.settings = SETTINGS
-TestTieringThreadPool = ThreadPoolMachine.TestCase
-TestTieringThreadPool.settings = SETTINGS
-TestTieringBuffered = BufferedMachine.TestCase
-TestTieringBuffered.settings = SETTINGS
-TestTieringEngineGated = EngineGatedMachine.TestCase
-TestTieringEngineGated.settings = SETTINGS
+class BufferedMachine(StoreFallbackMachine):
+    """No O_DIRECT (a file system that refuses it): I/O through the page cache."""
+
+    store_option = ("direct_io", False)
+
+
+def with_settings(machine: type[TierMachine]) -> Any:
+    """``machine``'s hypothesis test case, with this file's settings."""
+    case = machine.TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestTieringAll = with_settings(TierMachine)
+TestTieringDisplacement = with_settings(DisplacementMachine)
+TestTieringValueDensity = with_settings(ValueDensityMachine)
+TestTieringEngineAll = with_settings(EngineMachine)
+TestTieringEngineValueDensity = with_settings(EngineValueDensityMachine)
+TestTieringGated = with_settings(GatedMachine)
+TestTieringThreadPool = with_settings(ThreadPoolMachine)
+TestTieringBuffered = with_settings(BufferedMachine)
+TestTieringEngineGated = with_settings(EngineGatedMachine)
 
 
 # -- hbm="engine": the known defect, deterministic ---------------------------------------

@@ -15,39 +15,47 @@ import pytest
 
 from kvstore import KVStore
 from kvstore.bench import write_shape
+from kvstore.bench.fio_ratios import aligned_payloads, page_key
 from kvstore.format.constants import BLOCK_BYTES
 
 PAGE = 64 * 1024
-SMALL = {"segment_bytes": 8 << 20}  # the default preallocates 256 MiB per segment
+SMALL = 8 << 20  # segment bytes: the default preallocates 256 MiB per segment
 
 
-def test_the_store_variant_stores_every_page_of_every_batch(tmp_path: Path) -> None:
-    payloads = write_shape.Payloads(PAGE, 4)
-    write_shape.store_puts(tmp_path / "s", payloads, batches=3, depth=2, sync=True, options=SMALL)
+@pytest.mark.parametrize("sync", [True, False])
+def test_the_store_variant_stores_every_page_of_every_batch(tmp_path: Path, sync: bool) -> None:
+    payloads = aligned_payloads(4 * write_shape.BATCH, PAGE)
+    total = 3 * write_shape.BATCH * PAGE
+    rate = write_shape.store_puts(
+        tmp_path / "s", payloads, total, depth=2, sync=sync, segment_bytes=SMALL
+    )
+    assert rate > 0
     with KVStore.open(tmp_path / "s", readonly=True) as store:
-        # the warm-up's depth + 2 batches and the three measured ones
-        assert len(list(store.keys())) == (2 + 2 + 3) * write_shape.BATCH
-        assert store.get(b"k0") == bytes(payloads.pages[0])
+        assert len(list(store.keys())) == 3 * write_shape.BATCH
+        assert store.get(page_key(PAGE, 0)) == bytes(payloads[0])
+        last = 3 * write_shape.BATCH - 1
+        assert store.get(page_key(PAGE, last)) == bytes(payloads[last % len(payloads)])
 
 
 def test_the_threads_write_the_stores_record_layout(tmp_path: Path) -> None:
-    payloads = write_shape.Payloads(PAGE, 4)
-    write_shape.thread_writes(tmp_path / "t", payloads, batches=2, depth=2, flush=True)
+    payloads = aligned_payloads(4 * write_shape.BATCH, PAGE)
+    write_shape.thread_writes(tmp_path / "t", payloads, batches=6, depth=2, flush=True)
     data = (tmp_path / "t" / "data").read_bytes()
     span = BLOCK_BYTES + PAGE
-    # depth + 2 warm-up batches (0-3), then the two measured ones (4, 5); batch i
-    # starts at record i * 32, and each record is a header block, then its payload
+    # batch i starts at record i * 32, and each record is a header block, then its
+    # payload: the store's page for that record (batches 4 and 5 reuse the memory of 0, 1)
     for index in (0, 3, 5):
         first = index * write_shape.BATCH * span
         for i in (0, write_shape.BATCH - 1):
             start = first + i * span + BLOCK_BYTES
-            assert data[start : start + PAGE] == bytes(payloads.batch(index)[i])
+            assert data[start : start + PAGE] == bytes(write_shape.batch_of(payloads, index)[i])
+    assert write_shape.batch_of(payloads, 5)[0] is payloads[write_shape.BATCH]
     assert os.path.getsize(tmp_path / "t" / "wal") == 6 * write_shape.BATCH * 100
 
 
 def test_every_variant_runs_each_round_and_leaves_nothing(tmp_path: Path) -> None:
     rates = write_shape.measure(
-        tmp_path, PAGE, 4 << 20, depth=2, rounds=2, seed=3, fio=None, options=SMALL
+        tmp_path, PAGE, 4 << 20, depth=2, rounds=2, seed=3, fio=None, segment_bytes=SMALL
     )
     assert set(rates) == set(write_shape.VARIANTS)
     assert all(len(v) == 2 and min(v) > 0 for v in rates.values())
