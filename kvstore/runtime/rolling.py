@@ -106,20 +106,29 @@ class SegmentSet:
         while not stop.is_set():
             st.spare_wanted.wait(0.5)
             st.spare_wanted.clear()
+            if not stop.is_set():
+                self.prepare_once()
+
+    def prepare_once(self) -> bool:
+        """Make the spare now if one may be made (see ``claim_spare_locked``); whether
+        one was made. The prepare thread's step; a recorded power-loss run calls it
+        between workload steps instead, so its recording is the same every time."""
+        st = self._state
+        with st.cond:
+            claimed = self.claim_spare_locked()
+        if claimed is None:
+            return False
+        segment_id, generation = claimed
+        spare: Segment | None = None
+        try:
+            spare = self.new_segment(segment_id, generation)
+        except Exception:
+            pass  # the writer creates its next segment itself, and reports the error
+        finally:
             with st.cond:
-                claimed = None if stop.is_set() else self.claim_spare_locked()
-            if claimed is None:
-                continue
-            segment_id, generation = claimed
-            spare: Segment | None = None
-            try:
-                spare = self.new_segment(segment_id, generation)
-            except Exception:
-                pass  # the writer creates its next segment itself, and reports the error
-            finally:
-                with st.cond:
-                    st.spare = spare
-                    st.preparing = False
-                    if spare is not None:
-                        st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
-                    st.cond.notify_all()
+                st.spare = spare
+                st.preparing = False
+                if spare is not None:
+                    st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
+                st.cond.notify_all()
+        return spare is not None

@@ -13,6 +13,12 @@ oracle is that log: for a cut at op ``k``,
 - the same for retains (a delete drops a retain);
 - no key the workload never wrote may appear, and ``check()`` is clean.
 
+A recording is the same for the same seed: the store's spare segment is made
+between workload steps (``SegmentSet.prepare_once``) instead of on its prepare
+thread, whose file calls would otherwise interleave with the workload's in a
+different order each run (the kill -9 loops, kvstore.testing.crashloop, keep the
+thread).
+
 ``run_case`` materialises the cut under a policy (kvstore.testing.faults),
 opens the store, checks it against the oracle, then writes to it, closes,
 reopens and checks again (recovery must leave a store that keeps working).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import mmap
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError, StoreFullError
+from kvstore.runtime.rolling import SegmentSet
 from kvstore.store import KVStore
 from kvstore.testing.faults import DiskModel, Recorder, Tear
 
@@ -261,9 +269,11 @@ def record_trace(
     recorder = Recorder(root)
     trace = Trace(root, recorder, seed, evicting=capacity_bytes is not None)
     rng = random.Random(seed)
-    with recorder.installed():
+    with recorder.installed(), _spares_between_steps():
         store = KVStore.open(root, **merged)
         try:
+            spares = store._segment_set  # the harness makes the spare, not the thread
+            spares.prepare_once()
             if after_open is not None:
                 after_open(store)
             workload = _Workload(
@@ -271,6 +281,7 @@ def record_trace(
             )
             for _ in range(steps):
                 workload.step()
+                spares.prepare_once()
             for pinned in workload.pins:
                 store.unpin(pinned)
             trace.operations = workload.next_op
@@ -282,6 +293,22 @@ def record_trace(
         store.close()
         recorder.mark(("ack", close_id))
     return trace
+
+
+@contextmanager
+def _spares_between_steps() -> Iterator[None]:
+    """Stores opened inside have an idle prepare thread (``record_trace`` makes the
+    spare itself, at fixed points of the workload)."""
+    real = SegmentSet.prepare_loop
+
+    def idle(self: SegmentSet, stop: threading.Event) -> None:
+        stop.wait()
+
+    SegmentSet.prepare_loop = idle  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SegmentSet.prepare_loop = real  # type: ignore[method-assign]
 
 
 def _marks(trace: Trace, cut: int) -> tuple[set[int], int]:
