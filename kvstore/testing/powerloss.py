@@ -272,7 +272,7 @@ def record_trace(
     with recorder.installed(), _spares_between_steps():
         store = KVStore.open(root, **merged)
         try:
-            spares = store._segment_set  # the harness makes the spare, not the thread
+            spares = store.internals.segment_set  # the harness makes the spare, not the thread
             spares.prepare_once()
             if after_open is not None:
                 after_open(store)
