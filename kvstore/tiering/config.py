@@ -175,6 +175,11 @@ class TierConfig:
     phi_reuse_weight: float = 1.0
     hit_half_life_s: float = 600.0  # decayed hit counts halve in this time
     hysteresis_s: float = 1.0
+    # An offered page that finds DRAM full of pages being written back waits this long
+    # for one of them to free its slot instead of being declined (docs/tiering.md,
+    # "Eviction and placement"). 0: declined at once. 2 s: twice the writes that write
+    # pacing lets queue (one second's), not swept.
+    offer_wait_s: float = 2.0
     watermark_warn: float = 0.90
     watermark_force: float = 0.95
     watermark_low: float = 0.85
@@ -278,6 +283,7 @@ class TierConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         for name in (
             "hysteresis_s",
+            "offer_wait_s",
             "persist_stats_s",
             "control_interval_s",
             "tau_initial",

@@ -300,6 +300,7 @@ class TierManager:
         with self._lock:
             self._harvest()
             self._loads.abandon()
+            self._place.abandon_waiting()
             snapshot = self._stats_snapshot() if self._stats_path is not None else None
         if snapshot is not None:
             self._write_stats(snapshot)
@@ -552,6 +553,7 @@ class TierManager:
             ):
                 self._value.admit_epoch += 1
             self._evict.cycle(now, usage)
+            self._place.serve_waiting()
             if self._remote is not None:
                 self._remote.step()
             self._loads.retry_fetches()
@@ -621,8 +623,8 @@ class TierManager:
                 self._mover.wait_completed(0.0002)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait until nothing is in flight and every completion is harvested (tests,
-        benchmarks, close)."""
+        """Wait until nothing is in flight, every completion is harvested and no offered
+        page waits for a DRAM slot (tests, benchmarks, close)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -632,6 +634,9 @@ class TierManager:
                     self._remote and self._remote.busy()
                 )
                 self._harvest()
+                # Offered pages waiting for a DRAM slot: placed, or declined once
+                # nothing is left in flight to free one.
+                self._place.serve_waiting()
                 busy = busy or self._mover.in_flight_bytes() > 0
             if not busy:
                 return True

@@ -16,6 +16,8 @@ Invariants (kept by the manager, under its lock):
   with such a child is not a victim of t (leaves first: removing its only copy would
   orphan the child); copying it down (cleaning) is always allowed.
 - a page with ``pins > 0`` or a state other than READY is never a victim.
+- a WAITING page (an offered page queued for a DRAM slot) has no tier bit, no slot
+  and is in no order: a lookup stops at it, as at a page not there.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PageState(enum.IntEnum):
     WRITING = 1  # its bytes are being copied into a tier (offer, or a demotion)
     LOADING = 2  # an NVMe read into a DRAM slot is in flight
     EVICTING = 3  # leaving a tier: its source slot stays valid until the copy lands
+    WAITING = 4  # offered, in no tier yet: waiting for a DRAM slot (Placement.serve_waiting)
 
 
 def page_key(key: object) -> bytes:

@@ -10,6 +10,7 @@ with write-through (or retained) its DRAM copy is also written back at once.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,37 @@ from kvstore.tiering.value import Valuation
 
 __all__ = ["Placement"]
 
-_READY, _WRITING = PageState.READY, PageState.WRITING
+_READY, _WRITING, _WAITING = PageState.READY, PageState.WRITING, PageState.WAITING
 _D2D, _D2H = Path.D2D, Path.D2H
+_WAIT = -1  # _place_new: no slot now, wait for one (serve_waiting)
+
+
+class _OfferCopies:
+    """An offer's copies: its tickets, and how many of its pages still wait for a
+    DRAM slot (its release handle fires when both are done)."""
+
+    __slots__ = ("tickets", "waiting")
+
+    def __init__(self) -> None:
+        self.tickets: list[Ticket] = []
+        self.waiting = 0
+
+    def done(self) -> bool:
+        return self.waiting == 0 and all(t.done() for t in self.tickets)
+
+
+class _Waiting:
+    """An offered page queued for a DRAM slot: its record, the engine's bytes (valid
+    until the offer's release handle fires, rule R2), its offer, when it was queued."""
+
+    __slots__ = ("event", "offer", "rec", "since", "view")
+
+    def __init__(self, rec: PageRec, view: Any, offer: _OfferCopies, since: float, event: Any):
+        self.rec = rec
+        self.view = view
+        self.offer = offer
+        self.since = since
+        self.event = event
 
 
 class Placement:
@@ -49,6 +79,7 @@ class Placement:
         self._state = state
         self._pages = state.pages
         self._owned_hbm = state.owned_hbm
+        self._engine_hbm = config.hbm == "engine"
         self._counters = state.counters
         self._bump = state.bump
         self._set_tier = state.set_tier
@@ -70,6 +101,7 @@ class Placement:
         self._nvme_enabled = nvme_enabled
         self._now = now
         self._pump = pump
+        self._waiting: deque[_Waiting] = deque()  # offered pages waiting for a DRAM slot
 
     def offer(
         self,
@@ -94,6 +126,7 @@ class Placement:
         copies: dict[Path, list[tuple[PageRec, Any, int]]] = {}
         engine_hbm = self.config.hbm == "engine"
         touched: list[PageRec] = []
+        offer_copies = _OfferCopies()
         tag = ctx.tag
         reuse_access = self._reuse.access_offer
         displacement = self._displacement
@@ -120,6 +153,12 @@ class Placement:
                 seen, counted = reuse_access(key, depth, tag)
             if counted and displacement is not None:
                 displacement.counted(key)
+            if rec is not None and rec.state is _WAITING:
+                # An earlier offer's page waiting for a DRAM slot: that offer lands it.
+                tiers_out[i] = DRAM
+                reasons[i] = "waiting"
+                placed.add(key)
+                continue
             if rec is not None and rec.tiers:
                 if counted:
                     touched.append(rec)
@@ -182,6 +221,13 @@ class Placement:
             rec.last_access_s = now
             tier, reason = self._place_new(rec, seen)
             reasons[i] = reason
+            if tier == _WAIT:
+                rec.state = _WAITING  # in no tier, so in no order: nothing to leave
+                offer_copies.waiting += 1
+                self._waiting.append(_Waiting(rec, views[i], offer_copies, now, event))
+                tiers_out[i] = DRAM
+                placed.add(key)
+                continue
             if tier is None:
                 declined.add(key)
                 self._forget_if_gone(rec)
@@ -195,10 +241,11 @@ class Placement:
             elif tier == DRAM:
                 copies.setdefault(_D2H, []).append((rec, views[i], DRAM))
         tickets = [self._copy_in(p, items, event) for p, items in copies.items()]
+        offer_copies.tickets.extend(tickets)
         for rec in reversed(touched):  # the prefix after its new tail: newest of all
             self._touch(rec, now, ctx.deadline_s)
         event_out = tickets[-1].event if tickets else None
-        release = ReleaseHandle(lambda: all(t.done() for t in tickets), self._pump, event_out)
+        release = ReleaseHandle(offer_copies.done, self._pump, event_out)
         return OfferResult(tuple(tiers_out), tuple(reasons), release)
 
     def _place_new(self, rec: PageRec, seen: int) -> tuple[int | None, str]:
@@ -222,6 +269,8 @@ class Placement:
             return None, "declined: value density below tau"
         slot = self._alloc(DRAM)
         if slot is None:
+            if self._may_wait():
+                return _WAIT, "waiting"  # for a DRAM slot a write-back frees
             self._bump("admission:dram:full")
             if self._state.leaving[DRAM]:  # the allocation started their write-back
                 return None, "declined: DRAM full (its pages are being written to NVMe)"
@@ -229,6 +278,77 @@ class Placement:
         rec.dram_slot = slot
         counters["admission:dram:admitted"] = counters.get("admission:dram:admitted", 0) + 1
         return DRAM, "admitted"
+
+    def _may_wait(self) -> bool:
+        """Whether an offered page DRAM has no slot for may wait for one: DRAM pages are
+        being written back (each frees its slot when its write lands) and waiting is
+        on. Not with ``hbm="engine"``: a page declined there stays in the engine's HBM."""
+        return (
+            self.config.offer_wait_s > 0 and not self._engine_hbm and self._state.leaving[DRAM] > 0
+        )
+
+    def serve_waiting(self) -> None:
+        """Give offered pages waiting for DRAM a slot each, oldest first, as write-backs
+        free them (one copy per offer); decline one that has waited ``offer_wait_s``,
+        or has no write-back left to wait for."""
+        queue = self._waiting
+        if not queue:
+            return
+        now = self._now()
+        limit = self.config.offer_wait_s
+        served: dict[int, tuple[_OfferCopies, Any, list[tuple[PageRec, Any, int]]]] = {}
+        while queue:
+            item = queue[0]
+            rec = item.rec
+            if rec.state is not _WAITING or self._pages.get(rec.key) is not rec:
+                queue.popleft()  # landed by other means meanwhile, or gone
+                item.offer.waiting -= 1
+                continue
+            if self._orphaned(rec):
+                # Its parent was declined after waiting (or left): the offer's prefix
+                # rule, applied now. Placed, it could never be reached.
+                queue.popleft()
+                item.offer.waiting -= 1
+                rec.state = _READY
+                self._bump("admission:orphan")
+                self._forget_if_gone(rec)
+                continue
+            slot = self._alloc(DRAM)
+            if slot is None:
+                if now - item.since < limit and self._state.leaving[DRAM] > 0:
+                    break  # a write-back in flight will free one
+                queue.popleft()
+                item.offer.waiting -= 1
+                rec.state = _READY
+                self._bump("admission:dram:full")
+                self._forget_if_gone(rec)
+                continue
+            queue.popleft()
+            rec.dram_slot = slot
+            group = served.setdefault(id(item.offer), (item.offer, item.event, []))
+            group[2].append((rec, item.view, DRAM))
+            self._bump("admission:dram:waited")
+        for offer, event, items in served.values():
+            offer.tickets.append(self._copy_in(_D2H, items, event))
+            offer.waiting -= len(items)
+
+    def _orphaned(self, rec: PageRec) -> bool:
+        """Its parent is in no tier and not waiting for one."""
+        if rec.parent is None:
+            return False
+        parent = self._pages.get(rec.parent)
+        return parent is None or (not parent.tiers and parent.state is not _WAITING)
+
+    def abandon_waiting(self) -> None:
+        """Decline every waiting page (the manager is closing): their offers' release
+        handles fire once their other copies are done."""
+        while self._waiting:
+            item = self._waiting.popleft()
+            item.offer.waiting -= 1
+            if item.rec.state is _WAITING:
+                item.rec.state = _READY
+                self._bump("admission:dram:full")
+                self._forget_if_gone(item.rec)
 
     def _copy_in(self, path: Path, items: list[tuple[PageRec, Any, int]], event: Any) -> Ticket:
         """One ticket copying an offer's pages on ``path`` into their slots."""

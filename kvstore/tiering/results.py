@@ -107,7 +107,9 @@ class LookupResult:
 
 @dataclass(frozen=True, slots=True)
 class OfferResult:
-    """Per key: the tier the page went to (0 HBM, 1 DRAM, 2 NVMe) or None, and why."""
+    """Per key: the tier the page went to (0 HBM, 1 DRAM, 2 NVMe) or None, and why.
+    ``waiting``: DRAM, once a write-back frees a slot (``hbm_release`` covers that copy
+    too); declined after ``offer_wait_s``, as an evicted page would be."""
 
     tiers: tuple[int | None, ...]
     reasons: tuple[str, ...]
@@ -122,7 +124,7 @@ class OfferResult:
         return sum(1 for reason in self.reasons if reason not in _KEPT)
 
 
-_KEPT = frozenset({"admitted", "present"})
+_KEPT = frozenset({"admitted", "present", "waiting"})
 
 
 class ReleaseHandle:

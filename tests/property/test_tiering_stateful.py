@@ -80,6 +80,7 @@ from kvstore.testing.tier_crash import ENGINE_DRAM_DROP_DEFECT, ENGINE_DRAM_DROP
 from kvstore.tiering import LoadHandle, ModelCost, TierConfig, TierManager
 from kvstore.tiering.cost import Bandwidth
 from kvstore.tiering.measure import PROBE_KEY
+from kvstore.tiering.pages import PageState
 from tests.unit.tiering.test_tiering_displace import hold_on
 
 PAGE = 16 * 1024
@@ -130,6 +131,8 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = Path(tempfile.mkdtemp(prefix="kvstore-tier-stateful-"))
         self.model: dict[bytes, bytes] = {}
+        # offered pages waiting for a DRAM slot (reason "waiting"): modelled once resident
+        self.pending: dict[bytes, bytes] = {}
         self.pinned: dict[bytes, int] = {}  # key -> tier bits when first pinned
         # Unfinished loads: the handle, its keys, destinations and expected bytes.
         self.loads: list[Load] = []
@@ -216,6 +219,22 @@ class TierMachine(RuleBasedStateMachine):
         while self.tm._mover.in_flight_bytes() > 0:
             assert time.monotonic() < deadline, "the mover never went idle"
             time.sleep(0.0005)
+        self.settle_pending()
+
+    def settle_pending(self) -> None:
+        """Offered pages that waited for a DRAM slot join the model once resident, and
+        leave the wait once the manager stops waiting for them (declined after
+        offer_wait_s, or at close; or landed and gone again since)."""
+        for key, value in list(self.pending.items()):
+            if self.resident(key):
+                self.model[key] = value
+                del self.pending[key]
+                event("a page that waited for a DRAM slot landed")
+                continue
+            rec = self.tm._pages.get(key)
+            if rec is None or rec.state is not PageState.WAITING:
+                del self.pending[key]
+                event("a page that waited for a DRAM slot was declined")
 
     def tier_bits(self, key: bytes) -> int:
         rec = self.tm._pages.get(key)
@@ -305,7 +324,7 @@ class TierMachine(RuleBasedStateMachine):
         alone = self.hbm_alone() if self.hbm == "engine" else set()
         self.version += 1
         values = [
-            self.model.get(k) or page_bytes(k, self.version, s)
+            self.model.get(k) or self.pending.get(k) or page_bytes(k, self.version, s)
             for k, s in zip(keys, sizes, strict=False)
         ]
         srcs = [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values]
@@ -317,11 +336,24 @@ class TierMachine(RuleBasedStateMachine):
         ):
             if reason == "present":
                 assert tier is not None
+                self.settle_pending()  # a waiting page may have landed meanwhile
                 kept.add(key)
                 if key in alone and key not in self.model:
                     self.accept_hbm_alone({key}, "offer answered present")
                     continue
                 assert key in self.model, f"{key!r} present but never admitted"
+            elif reason == "waiting":
+                # DRAM once a write-back frees a slot, or declined after offer_wait_s
+                assert tier is not None
+                if parent is not None and key not in self.pending:
+                    # (an earlier offer's waiting page answers "waiting" again whatever
+                    # became of its parent since: its slot's turn declines an orphan)
+                    parent_ok = before.get(parent, False) or parent in kept
+                    assert parent_ok, f"{key!r} waiting with a non-resident parent {parent!r}"
+                if key not in self.model:
+                    self.pending[key] = value
+                kept.add(key)
+                event("an offered page waited for a DRAM slot")
             elif reason == "admitted":
                 assert tier is not None
                 if parent is not None:
@@ -354,6 +386,7 @@ class TierMachine(RuleBasedStateMachine):
         result = self.tm.lookup(keys)
         hit = result.hit_pages
         assert list(result.plan.keys) == keys[:hit]
+        self.settle_pending()  # a waiting page may have landed since the quiesce
         for key in keys[:hit]:
             assert key in self.model, f"{key!r} hit but never admitted"
         if hit < length:
@@ -398,6 +431,7 @@ class TierMachine(RuleBasedStateMachine):
         if key in self.pinned or len(self.pinned) >= 2:
             return
         if self.tm.pin([key]) == [True]:
+            self.settle_pending()
             if not self.resident(key):  # in the engine's HBM alone: nothing to keep
                 self.accept_hbm_alone({key}, "pin")
                 self.tm.unpin([key])
@@ -446,6 +480,7 @@ class TierMachine(RuleBasedStateMachine):
     def close_and_reopen(self) -> None:
         self.quiesce()
         assert self.tm.drain(10)
+        self.settle_pending()
         self.forget_absent()
         store = self.tm.store
         on_nvme = {k for k in ALL_KEYS if store.info(k) is not None}
@@ -459,6 +494,7 @@ class TierMachine(RuleBasedStateMachine):
             self.check_loaded(handle, keys, dst, expected)
             old.complete_load(handle)
         self.loads = []
+        self.pending.clear()  # close declined whatever still waited
         self.pinned.clear()
         self.sources.clear()
         self.engine.clear()  # the engine restarts with the manager: its GPU cache is gone
@@ -519,6 +555,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @invariant()
     def residents_are_modelled(self) -> None:
+        self.settle_pending()
         for key in ALL_KEYS:
             if self.resident(key):
                 assert key in self.model, f"{key!r} resident but not in the model"

@@ -238,8 +238,9 @@ def test_everything_pinned_declines_without_raising() -> None:
 def test_a_decline_while_dram_is_being_written_back_says_so(tmp_path: Path) -> None:
     """A full DRAM of pages not yet on NVMe: the allocation starts their write-back and
     the offer is declined; the reason says that, not "every page pinned or in flight"
-    (none was). No control thread: nothing cleans DRAM ahead of the second offer."""
-    cfg = config(tmp_path, hbm_bytes=0, dram_bytes=12 * SLOT, control_interval_s=0)
+    (none was). No control thread: nothing cleans DRAM ahead of the second offer.
+    With ``offer_wait_s`` 0: by default such a page waits for a slot (the next test)."""
+    cfg = config(tmp_path, hbm_bytes=0, dram_bytes=12 * SLOT, control_interval_s=0, offer_wait_s=0)
     with TierManager.open(cfg) as tm:
         first = tm.offer(keys(10, "a"), [page(i) for i in range(10)])
         assert first.reasons == ("admitted",) * 10
@@ -250,6 +251,28 @@ def test_a_decline_while_dram_is_being_written_back_says_so(tmp_path: Path) -> N
         assert all("written to NVMe" in r for r in declined), declined
         assert tm.drain()
         assert tm.stats().pages_by_tier[2] > 0  # the write-back the decline started
+
+
+def test_a_page_that_waited_for_a_write_back_lands_with_its_bytes(tmp_path: Path) -> None:
+    """The same two offers with waiting on (the default): the second offer's pages wait
+    for the first's write-backs to free DRAM slots, its release handle fires only once
+    they are copied from the engine's tensors (rule R2), and each reads back exact."""
+    cfg = config(tmp_path, hbm_bytes=0, dram_bytes=12 * SLOT, control_interval_s=0)
+    with TierManager.open(cfg) as tm:
+        first = tm.offer(keys(10, "a"), [page(i) for i in range(10)])
+        tm.drain()
+        sources = [page(10 + i) for i in range(10)]
+        second = tm.offer(keys(10, "b"), sources)
+        assert "waiting" in second.reasons, second.reasons
+        assert second.declined == 0 and first.declined == 0
+        assert second.hbm_release.wait(10)
+        for source in sources:
+            source.zero_()  # the engine reuses its blocks: the copies must be done
+        assert tm.drain()
+        assert tm.stats().admissions.get("dram:waited", 0) >= second.reasons.count("waiting")
+        got = load_all(tm, keys(10, "b"))
+        assert len(got) == 10
+        assert all(torch.equal(g, page(10 + i)) for i, g in enumerate(got))
 
 
 def test_bad_input_is_refused_before_anything_changes() -> None:

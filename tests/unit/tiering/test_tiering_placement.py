@@ -7,6 +7,7 @@ Regression tests for the placement decisions the trace simulator measured
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import pytest
 
@@ -330,5 +331,126 @@ def test_an_offer_into_a_full_hbm_starts_no_demotion() -> None:
         assert sum(HBM in _tiers(tm, b"h%d" % i) for i in range(4)) == 3
         tm.offer([b"y"], None)
         assert HBM in _tiers(tm, b"y")
+    finally:
+        tm.close()
+
+
+def _fill_dram_dirty(tm: TierManager, pages: int) -> None:
+    """DRAM (no HBM) full of dirty pages: offered, landed, not yet written to NVMe."""
+    tm.offer([b"a%d" % i for i in range(pages)], None)
+    _tick(tm, 0.001)
+    assert all(_tiers(tm, b"a%d" % i) == {DRAM} for i in range(pages))
+
+
+def test_an_offer_into_a_dram_full_of_dirty_pages_waits_for_their_write_backs() -> None:
+    """Declining a new page breaks its chain for every later request that would have
+    hit it (`kvstore sim --generate agent` at 0.005: 299 offered pages declined, 0.8 pp
+    of hits): it waits for a write-back to free a slot instead, and the engine's
+    release handle covers that later copy (rule R2)."""
+    tm = _manager(hbm_bytes=0, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        _fill_dram_dirty(tm, 8)
+        offered = tm.offer([b"b%d" % i for i in range(6)], None)
+        assert offered.reasons == ("waiting",) * 6
+        assert offered.tiers == (DRAM,) * 6 and offered.declined == 0
+        assert not offered.hbm_release.done()  # the engine keeps its blocks meanwhile
+        assert tm.lookup([b"b0"]).plan.load_pages == 0  # not there yet: a miss
+        again = tm.offer([b"b0"], None)  # the earlier offer lands it; no second copy
+        assert again.reasons == ("waiting",) and again.hbm_release.done()
+        for _ in range(5):
+            _tick(tm, 0.01)
+        assert offered.hbm_release.done()
+        assert all(DRAM in _tiers(tm, b"b%d" % i) for i in range(6))
+        assert tm._counters["admission:dram:waited"] == 6
+        assert "admission:dram:full" not in tm._counters
+        assert tm.lookup([b"b%d" % i for i in range(6)]).plan.load_pages == 6
+    finally:
+        tm.close()
+
+
+def test_without_waiting_the_same_offer_is_declined() -> None:
+    tm = _manager(hbm_bytes=0, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE, offer_wait_s=0)
+    try:
+        _fill_dram_dirty(tm, 8)
+        offered = tm.offer([b"b%d" % i for i in range(6)], None)
+        assert offered.tiers == (None,) * 6, offered.reasons
+        assert offered.reasons[0] == "declined: DRAM full (its pages are being written to NVMe)"
+        assert offered.hbm_release.done()
+    finally:
+        tm.close()
+
+
+def test_a_page_that_waits_too_long_is_declined_and_forgotten() -> None:
+    """NVMe writing a page in 0.4 s, pages wait at most 0.1 s: declined then, counted as
+    `admission:dram:full`, out of the page table, and the release handle fires."""
+    slow = {"nvme_write": PAGE / 0.4}
+    tm = _manager(
+        hbm_bytes=0,
+        dram_bytes=8 * PAGE,
+        nvme_bytes=256 * PAGE,
+        offer_wait_s=0.1,
+        bandwidth_bytes_per_s=slow,
+    )
+    try:
+        _fill_dram_dirty(tm, 8)
+        offered = tm.offer([b"b0", b"b1"], None)
+        assert offered.reasons == ("waiting", "waiting")
+        _tick(tm, 0.05)
+        assert not offered.hbm_release.done()
+        _tick(tm, 0.1)  # 0.15 s waited, the writes still in flight
+        assert offered.hbm_release.done()
+        assert b"b0" not in tm._pages and b"b1" not in tm._pages
+        # b0 waited too long; b1, its child, then went as an orphan
+        assert tm._counters["admission:dram:full"] == 1
+        assert tm._counters["admission:orphan"] == 1
+        assert "admission:dram:waited" not in tm._counters
+        assert tm.stats().pages_by_tier[DRAM] == 8
+    finally:
+        tm.close()
+
+
+def test_close_declines_the_pages_still_waiting() -> None:
+    slow = {"nvme_write": PAGE / 0.4}
+    tm = _manager(
+        hbm_bytes=0, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE, bandwidth_bytes_per_s=slow
+    )
+    _fill_dram_dirty(tm, 8)
+    offered = tm.offer([b"b0"], None)
+    assert offered.reasons == ("waiting",)
+    tm.close()
+    assert offered.hbm_release.done()
+    assert tm._place._waiting == deque()
+
+
+def test_an_offer_with_hbm_engine_does_not_wait() -> None:
+    """``hbm="engine"``: a page DRAM declines stays in the engine's HBM; no waiting."""
+    tm = _manager(hbm="engine", hbm_bytes=64 * PAGE, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        tm.offer([b"a%d" % i for i in range(8)], None)
+        _tick(tm, 0.001)
+        offered = tm.offer([b"b0"], None)
+        assert "waiting" not in offered.reasons
+    finally:
+        tm.close()
+
+
+def test_a_waiting_page_whose_parent_is_gone_is_declined_at_its_turn() -> None:
+    """The offer's prefix rule, applied when the slot comes: a page whose parent left
+    (declined, evicted) while it waited could never be reached, so it is not placed."""
+    tm = _manager(hbm_bytes=0, dram_bytes=8 * PAGE, nvme_bytes=256 * PAGE)
+    try:
+        _fill_dram_dirty(tm, 8)
+        offered = tm.offer([b"x0", b"x1"], None)
+        assert offered.reasons == ("waiting", "waiting")
+        parent = tm._pages[b"x0"]
+        tm._place._waiting.popleft()  # the parent leaves the queue and the table
+        tm._place._waiting[0].offer.waiting -= 1
+        del tm._pages[b"x0"]
+        assert parent.parent is None
+        _tick(tm, 0.01)
+        assert b"x1" not in tm._pages
+        assert tm._counters["admission:orphan"] == 1
+        assert "admission:dram:waited" not in tm._counters
+        assert offered.hbm_release.done()
     finally:
         tm.close()
