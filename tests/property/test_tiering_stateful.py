@@ -226,14 +226,14 @@ class TierMachine(RuleBasedStateMachine):
         leave the wait once the manager stops waiting for them (declined after
         offer_wait_s, or at close; or landed and gone again since)."""
         for key, value in list(self.pending.items()):
+            rec = self.tm._pages.get(key)
+            if rec is not None and rec.state is PageState.WAITING:
+                continue  # (state first: it leaves WAITING with its tier bit set)
+            del self.pending[key]
             if self.resident(key):
                 self.model[key] = value
-                del self.pending[key]
                 event("a page that waited for a DRAM slot landed")
-                continue
-            rec = self.tm._pages.get(key)
-            if rec is None or rec.state is not PageState.WAITING:
-                del self.pending[key]
+            else:
                 event("a page that waited for a DRAM slot was declined")
 
     def tier_bits(self, key: bytes) -> int:
@@ -350,7 +350,10 @@ class TierMachine(RuleBasedStateMachine):
                     # became of its parent since: its slot's turn declines an orphan)
                     parent_ok = before.get(parent, False) or parent in kept
                     assert parent_ok, f"{key!r} waiting with a non-resident parent {parent!r}"
-                if key not in self.model:
+                if key not in self.pending:
+                    # Not resident now: a model entry is stale (the page was dropped
+                    # and is offered again), and the page rejoins once it lands.
+                    self.lose(key)
                     self.pending[key] = value
                 kept.add(key)
                 event("an offered page waited for a DRAM slot")
