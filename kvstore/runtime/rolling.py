@@ -109,15 +109,15 @@ class SegmentSet:
             if not stop.is_set():
                 self.prepare_once()
 
-    def prepare_once(self) -> bool:
-        """Make the spare now if one may be made (see ``claim_spare_locked``); whether
-        one was made. The prepare thread's step; a recorded power-loss run calls it
-        between workload steps instead, so its recording is the same every time."""
+    def prepare_once(self) -> None:
+        """Make the spare now if one may be made (see ``claim_spare_locked``). The
+        prepare thread's step; a recorded power-loss run calls it between workload
+        steps instead, so its recording is the same every time."""
         st = self._state
         with st.cond:
             claimed = self.claim_spare_locked()
         if claimed is None:
-            return False
+            return
         segment_id, generation = claimed
         spare: Segment | None = None
         try:
@@ -131,4 +131,3 @@ class SegmentSet:
                 if spare is not None:
                     st.tv[tc.SEGMENT_HEADER] += BLOCK_BYTES
                 st.cond.notify_all()
-        return spare is not None

@@ -307,21 +307,13 @@ class Placement:
             if self._orphaned(rec):
                 # Its parent was declined after waiting (or left): the offer's prefix
                 # rule, applied now. Placed, it could never be reached.
-                queue.popleft()
-                item.offer.waiting -= 1
-                rec.state = _READY
-                self._bump("admission:orphan")
-                self._forget_if_gone(rec)
+                self._decline_waiting(queue.popleft(), "admission:orphan")
                 continue
             slot = self._alloc(DRAM)
             if slot is None:
                 if now - item.since < limit and self._state.leaving[DRAM] > 0:
                     break  # a write-back in flight will free one
-                queue.popleft()
-                item.offer.waiting -= 1
-                rec.state = _READY
-                self._bump("admission:dram:full")
-                self._forget_if_gone(rec)
+                self._decline_waiting(queue.popleft(), "admission:dram:full")
                 continue
             queue.popleft()
             rec.dram_slot = slot
@@ -344,11 +336,17 @@ class Placement:
         handles fire once their other copies are done."""
         while self._waiting:
             item = self._waiting.popleft()
-            item.offer.waiting -= 1
             if item.rec.state is _WAITING:
-                item.rec.state = _READY
-                self._bump("admission:dram:full")
-                self._forget_if_gone(item.rec)
+                self._decline_waiting(item, "admission:dram:full")
+            else:
+                item.offer.waiting -= 1
+
+    def _decline_waiting(self, item: _Waiting, counter: str) -> None:
+        """A waiting page, taken off the queue, is declined (counted as ``counter``)."""
+        item.offer.waiting -= 1
+        item.rec.state = _READY
+        self._bump(counter)
+        self._forget_if_gone(item.rec)
 
     def _copy_in(self, path: Path, items: list[tuple[PageRec, Any, int]], event: Any) -> Ticket:
         """One ticket copying an offer's pages on ``path`` into their slots."""
