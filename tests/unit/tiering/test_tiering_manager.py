@@ -408,3 +408,23 @@ def test_close_of_an_idle_manager_is_prompt(tmp_path: Path) -> None:
     started = time.monotonic()
     tm.close()
     assert time.monotonic() - started < 1.0
+
+
+def test_dram_stays_full_where_its_pages_would_leave_unwritten() -> None:
+    # Without NVMe a DRAM page leaves by being dropped, which frees its slot the moment
+    # an allocation wants one. The control cycle evicted DRAM down to its low watermark
+    # all the same, and the slots stayed empty until the next offer (`kvstore sim
+    # --generate agent --capacity 0.01,0.05,0`: DRAM 87% full, hit ratio 0.487; kept
+    # full, 0.798).
+    with TierManager.open(config(None, dram_bytes=20 * SLOT)) as tm:
+        for i, key in enumerate(keys(60)):
+            assert tm.offer([key], [page(i)]).hbm_release.wait(10)
+            tm.drain()
+            tm.step()
+        for _ in range(20):
+            time.sleep(0.002)
+            tm.step()
+        stats = tm.stats()
+        # (One slot may be empty: an allocation frees two pages for one slot.)
+        assert stats.pages_by_tier[1] >= 19, stats.pages_by_tier
+        assert stats.evictions.get("dram:dropped", 0) >= 60 - 20 - 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -322,3 +323,23 @@ def test_the_reuse_horizon_counts_a_bounded_nvme_and_not_an_unbounded_one(
     explicit = _manager_config(tmp_path / "c", ghost_entries=777)
     with TierManager.open(explicit) as tm:
         assert tm._reuse._limit == 777
+
+
+def test_dram_stays_full_while_the_gate_closes_every_class(tmp_path: Path) -> None:
+    # Every dirty page then leaves DRAM unwritten, freeing its slot the moment an
+    # allocation wants it: the control cycle must not evict DRAM down to its low
+    # watermark ahead of need (here 0.4: it kept 8 of 20 slots).
+    with TierManager.open(_manager_config(tmp_path, dram_bytes=20 * SLOT)) as tm:
+        gate = tm._value.payoff
+        assert gate is not None
+        gate.open = [False, False]
+        gate.changes += 1  # cached admissions follow
+        _offer_chain(tm, keys(60, "a"), 0)
+        for _ in range(20):
+            time.sleep(0.002)
+            tm.step()
+        stats = tm.stats()
+        assert stats.nvme_pages_written == 0
+        assert stats.admissions.get("nvme:no_payoff", 0) > 0
+        # (One slot may be empty: an allocation frees two pages for one slot.)
+        assert stats.pages_by_tier[1] >= 19, stats.pages_by_tier

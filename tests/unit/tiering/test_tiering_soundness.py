@@ -564,3 +564,25 @@ def test_offer_with_sizes_that_do_not_match_the_keys_changes_nothing() -> None:
         with pytest.raises(ValueError, match="sizes"):
             tm.offer([b"a", b"b", b"c"], None, sizes=[cfg.page_bytes])
         assert tm.stats().pages == 0 and tm.stats().used_bytes == (0, 0, 0)
+
+
+@pytest.mark.parametrize("nvme", [0.25, 0.0], ids=["disk-slower-than-recompute", "no-nvme"])
+def test_dram_stays_full_where_nvme_takes_no_page(nvme: float) -> None:
+    # A disk slower than recomputing (κ_nvme 0.06 here) takes no page, and without NVMe
+    # there is none: DRAM's pages leave by being dropped, at once. The control cycle
+    # still evicted DRAM down to its low watermark ahead of need, and the slots stayed
+    # empty: DRAM 0.875 full, hit ratio 0.125 on the slow disk (0.970 and 0.241 now).
+    from kvstore.tiering.sim import replay
+    from kvstore.tiering.sim.trace import generate
+
+    requests = generate("agent", seed=7, requests=600, block_tokens=512)
+    document = replay.run(
+        requests,
+        capacity_fractions=(0.01, 0.05, nvme),
+        machine=replay.Machine(nvme_gbps=0.2),
+        policies=["kvstore"],
+    )
+    [result] = document["results"]
+    assert result["nvme_blocks_written"] == 0
+    assert result["details"]["occupancy"]["dram"] > 0.95, result["details"]["occupancy"]
+    assert result["hit_ratio"] > 0.23, result["hit_ratio"]
