@@ -529,6 +529,16 @@ class Eviction(EvictionWrites):
             self._bump(self._declined_why(rec))
             self._forget_if_gone(rec)
             return True
+        if urgent and not rec.retained and not rec.tiers & 1 and not self._nvme_room(rec):
+            # NVMe is full of pages that cannot go now (pinned, being read or written):
+            # the write could not start, and the slot would stay taken. A slot wanted
+            # now (a demand read staging NVMe pages, an offer) drops the page instead,
+            # as when the disk falls behind. (A load of NVMe pages into a DRAM full of
+            # such pages failed every page for want of a slot: the tier state machine.)
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:no_room")
+            self._forget_if_gone(rec)
+            return True
         if self._write_paced():
             if rec.retained or not urgent or rec.tiers & 1:
                 # The disk has a second of writes queued: wait a cycle. (A page the
@@ -545,6 +555,13 @@ class Eviction(EvictionWrites):
         rec.demoted_at_s = now
         writes.append(rec)
         return True
+
+    def _nvme_room(self, rec: PageRec) -> bool:
+        """Whether NVMe has or can make room for ``rec``'s write beside the writes
+        already taken (deleting its victims as the write would)."""
+        need = self._used[NVME] + self._nvme_reserved + self._batch_write_bytes + rec.nbytes
+        over = need - self._capacity[NVME]
+        return over <= 0 or self._make_nvme_room(over) <= 0
 
     def _admits_nvme(self, rec: PageRec) -> bool:
         """NVMe admission: value density and the payoff gate (``Valuation``), then, into

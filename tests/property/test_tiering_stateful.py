@@ -834,3 +834,55 @@ def test_an_offer_promoting_a_page_keeps_it_while_later_pages_of_the_offer_take_
     finally:
         globals()["event"] = events
         machine.teardown()
+
+
+# -- a load of NVMe pages into a DRAM whose pages NVMe has no room for ----------------------
+
+
+def test_a_load_of_nvme_pages_gets_its_slots_while_nvme_has_no_room_for_drams_pages() -> None:
+    """The steps `TestTieringDisplacement` found (NVMe four pages, the displacement rule
+    on): chain 0's four pages are on NVMe only and fill it; DRAM's six slots hold chain
+    0's fifth page, three pages of chain 2 and two pinned ones. A load of chain 0 needs
+    four DRAM slots to stage its NVMe pages, and chain 2's pages could leave DRAM only
+    by a write that NVMe had no room for (its pages pinned by that same load): no slot
+    came free, and the load failed every NVMe page (`load_failure:no_slot`). A slot
+    wanted now drops such a page instead (`evict:dram:no_room`)."""
+    sizes = [PAGE] * 4
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("extend_chain", {"chain": 2, "length": 4, "sizes": sizes}),
+        ("extend_chain", {"chain": 2, "length": 4, "sizes": sizes}),
+        ("pin", {"key": b"c2p5"}),
+        ("pin", {"key": b"c2p4"}),
+        ("offer", {"chain": 0, "length": 4, "sizes": sizes, "start": 0}),
+        ("finish_load", {}),
+        ("pin", {"key": b"c0p0"}),
+        ("pin", {"key": b"c0p0"}),
+        ("offer", {"chain": 0, "length": 3, "sizes": sizes, "start": 0}),
+        ("lookup_and_load", {"chain": 0, "length": 5}),
+        ("offer", {"chain": 0, "length": 3, "sizes": sizes, "start": 0}),
+        ("finish_load", {}),
+        ("extend_chain", {"chain": 0, "length": 4, "sizes": sizes}),
+        ("lookup_and_load", {"chain": 2, "length": 1}),
+        ("finish_load", {}),
+        ("finish_load", {}),
+        ("lookup_and_load", {"chain": 2, "length": 4}),
+        ("lookup_and_load", {"chain": 0, "length": 5}),
+        ("finish_load", {}),
+        ("finish_load", {}),
+    ]
+    import hypothesis.control
+
+    machine = DisplacementMachine()
+    events = hypothesis.control.event
+    try:
+        globals()["event"] = lambda *args, **kwargs: None  # outside a hypothesis run
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)  # finish_load asserts every page loaded
+            machine.within_capacity()
+            machine.residents_are_modelled()
+            machine.pinned_pages_stay()
+        counters = machine.tm._state.counters
+        assert counters.get("load_failure:no_slot", 0) == 0, counters
+    finally:
+        globals()["event"] = events
+        machine.teardown()
