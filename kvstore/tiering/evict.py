@@ -399,6 +399,12 @@ class Eviction(EvictionWrites):
                 victims = choose(want, self._eligible(tier, True, chains), want * 8 + 64)
                 if victims:
                     self._bump("hysteresis_overridden", len(victims))
+            if not victims and urgent and done == 0:
+                # A slot is wanted now and the head of the order held no page that may
+                # go: look further (see _DEEP_SCAN).
+                victims = choose(want, self._eligible(tier, force, chains), _DEEP_SCAN)
+                if victims:
+                    self._bump(f"evict:{TIER_NAMES[tier]}:deep_scan")
             if not victims:
                 break
             writes: list[PageRec] = []
@@ -719,6 +725,14 @@ def _no_waiters(rec: PageRec, **_: object) -> None:
 
 
 _EVICT_CLEAN = tuple(f"evict:{name}:clean" for name in TIER_NAMES)
+# How far an eviction that wants a slot now looks down a tier's order when its head held
+# no page that may go (pinned, in flight, or a parent whose child is in the tier). Φ is
+# not monotone along a chain (the probation term's p(reuse) is per depth class, and an
+# entry filed when its class's p was higher stays where it was filed), so the head of
+# DRAM's order can be the inner pages of old chains with their leaves further down: `kvstore
+# sim --generate long-prompts` without NVMe had 80 non-leaves at the head, a leaf at rank 90,
+# and declined 1,724 offered pages for want of a slot.
+_DEEP_SCAN = 4096
 # How long the displacement rule's NVMe victim is reused (while it stays on NVMe): less
 # than any gap between two requests of a trace, so a replay's decisions are per request.
 _VICTIM_TTL_S = 0.0005

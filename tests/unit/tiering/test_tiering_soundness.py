@@ -586,3 +586,22 @@ def test_dram_stays_full_where_nvme_takes_no_page(nvme: float) -> None:
     assert result["nvme_blocks_written"] == 0
     assert result["details"]["occupancy"]["dram"] > 0.95, result["details"]["occupancy"]
     assert result["hit_ratio"] > 0.23, result["hit_ratio"]
+
+
+def test_an_allocation_finds_a_leaf_below_a_head_of_inner_pages() -> None:
+    # Long prompts without NVMe: Φ ranked the inner pages of old chains first (their
+    # depth classes' p(reuse) below the deep pages'), so the head of DRAM's order was
+    # parents whose children were in DRAM too, and an allocation that scanned only the
+    # head found no page that may go: offered pages were declined (63 requests here,
+    # hit ratio 0.231 against exclusive LRU's 0.252).
+    from kvstore.tiering.sim import replay
+    from kvstore.tiering.sim.trace import generate
+
+    requests = generate("long-prompts", seed=1, requests=800, block_tokens=512)
+    document = replay.run(
+        requests, capacity_fractions=(0.01, 0.05, 0.0), policies=["kvstore", "exclusive-lru"]
+    )
+    kvstore, lru = document["results"]
+    assert "declined" not in kvstore["details"]["misses"], kvstore["details"]["misses"]
+    assert kvstore["hit_ratio"] > lru["hit_ratio"] - 0.005, (kvstore["hit_ratio"], lru["hit_ratio"])
+    assert kvstore["details"]["evictions"].get("dram:deep_scan", 0) > 0
