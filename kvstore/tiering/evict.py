@@ -404,7 +404,7 @@ class Eviction(EvictionWrites):
                 # go: look further (see _DEEP_SCAN).
                 victims = choose(want, self._eligible(tier, force, chains), _DEEP_SCAN)
                 if victims:
-                    self._bump(f"evict:{TIER_NAMES[tier]}:deep_scan")
+                    self._bump(f"alloc:{TIER_NAMES[tier]}:deep_scan")
             if not victims:
                 break
             writes: list[PageRec] = []

@@ -881,8 +881,8 @@ def test_a_load_of_nvme_pages_gets_its_slots_while_nvme_has_no_room_for_drams_pa
             machine.within_capacity()
             machine.residents_are_modelled()
             machine.pinned_pages_stay()
-        counters = machine.tm._state.counters
-        assert counters.get("load_failure:no_slot", 0) == 0, counters
+        stats = machine.tm.stats()
+        assert stats.load_failures == 0, stats.load_failures
     finally:
         globals()["event"] = events
         machine.teardown()
