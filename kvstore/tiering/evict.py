@@ -535,16 +535,6 @@ class Eviction(EvictionWrites):
             self._bump(self._declined_why(rec))
             self._forget_if_gone(rec)
             return True
-        if urgent and not rec.retained and not rec.tiers & 1 and not self._nvme_room(rec):
-            # NVMe is full of pages that cannot go now (pinned, being read or written):
-            # the write could not start, and the slot would stay taken. A slot wanted
-            # now (a demand read staging NVMe pages, an offer) drops the page instead,
-            # as when the disk falls behind. (A load of NVMe pages into a DRAM full of
-            # such pages failed every page for want of a slot: the tier state machine.)
-            self._clear_tier(rec, DRAM)
-            self._bump("evict:dram:no_room")
-            self._forget_if_gone(rec)
-            return True
         if self._write_paced():
             if rec.retained or not urgent or rec.tiers & 1:
                 # The disk has a second of writes queued: wait a cycle. (A page the
@@ -555,6 +545,18 @@ class Eviction(EvictionWrites):
             # beats stalling DRAM (a stall declines new pages, and orphans their chains).
             self._clear_tier(rec, DRAM)
             self._bump("evict:dram:paced")
+            self._forget_if_gone(rec)
+            return True
+        # (After the pacing check: making room deletes NVMe pages, for a write that
+        # pacing would have dropped.)
+        if urgent and not rec.retained and not rec.tiers & 1 and not self._nvme_room(rec):
+            # NVMe is full of pages that cannot go now (pinned, being read or written):
+            # the write could not start, and the slot would stay taken. A slot wanted
+            # now (a demand read staging NVMe pages, an offer) drops the page instead,
+            # as when the disk falls behind. (A load of NVMe pages into a DRAM full of
+            # such pages failed every page for want of a slot: the tier state machine.)
+            self._clear_tier(rec, DRAM)
+            self._bump("evict:dram:no_room")
             self._forget_if_gone(rec)
             return True
         self._bump("admission:nvme:admitted")
