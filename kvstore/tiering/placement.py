@@ -124,7 +124,7 @@ class Placement:
         placed: set[bytes] = set()
         declined: set[bytes] = set()
         copies: dict[Path, list[tuple[PageRec, Any, int]]] = {}
-        engine_hbm = self.config.hbm == "engine"
+        engine_hbm = self._engine_hbm
         touched: list[PageRec] = []
         offer_copies = _OfferCopies()
         tag = ctx.tag
