@@ -57,6 +57,7 @@ class EvictionWrites:
     _used: list[int]
     _slot_bytes: int
     _orders: list[EvictionOrder]
+    _clean_dram: EvictionOrder
     _payoff: WritePayoff | None
     _displacement: Displacement | None
     _seen: Callable[[bytes], int]
@@ -140,10 +141,11 @@ class EvictionWrites:
             self._bump("emergency:entered")
             # Free clean DRAM in bulk: pages that already have their NVMe copy.
             low = self.config.watermark_low * self._capacity[DRAM]
+            # (Pages with an NVMe copy are in the clean list, never in DRAM's order.)
             clean = [
                 rec
-                for rec in self._orders[DRAM].unordered()
-                if rec.in_tier(NVME) and rec.pins == 0 and rec.state is _READY
+                for rec in self._clean_dram.unordered()
+                if rec.in_tier(NVME) and rec.pins == 0 and not rec.waiters and rec.state is _READY
             ]
             for rec in clean:
                 if self._used[DRAM] <= low:

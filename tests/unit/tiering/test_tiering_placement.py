@@ -454,3 +454,39 @@ def test_a_waiting_page_whose_parent_is_gone_is_declined_at_its_turn() -> None:
         assert offered.hbm_release.done()
     finally:
         tm.close()
+
+
+def test_an_emergency_frees_clean_dram_down_to_the_low_mark() -> None:
+    """When the disk falls behind (in-flight writes above `emergency_write_s` of its
+    bandwidth), clean DRAM pages (their NVMe copy already written) are freed in bulk
+    down to the low watermark (docs/tiering.md, "Emergency eviction"). The pages were
+    looked for in DRAM's order, which never holds a page with an NVMe copy (those sit
+    in the clean list): none was ever freed."""
+    tm = _manager(
+        eviction="lru", hbm_bytes=2 * PAGE, dram_bytes=20 * PAGE, watermark_low=0.5
+    )
+    try:
+        for i in range(30):
+            _request(tm, [b"p%d" % i])
+        state = tm._state
+        clean = {rec.key for rec in state.clean_dram.unordered()}
+        in_dram = {key for key, rec in tm._pages.items() if rec.in_tier(DRAM)}
+        used = len(in_dram)
+        assert len(clean) >= 4 and used >= 14, (len(clean), used)
+        evict = tm._evict
+        with tm._lock:
+            real = evict._mover.in_flight_bytes
+            evict._mover.in_flight_bytes = lambda path=None: 1 << 50  # type: ignore[method-assign]
+            try:
+                evict.check_emergency()
+            finally:
+                evict._mover.in_flight_bytes = real  # type: ignore[method-assign]
+            assert evict.emergency
+        low = 10  # watermark_low x 20 pages
+        left = {key for key in in_dram if not tm._pages[key].in_tier(DRAM)}
+        assert len(left) == min(len(clean), used - low), (len(left), len(clean), used)
+        assert left <= clean  # only pages whose NVMe copy stays
+        assert all(tm._pages[key].in_tier(NVME) for key in left)
+        assert tm._counters["emergency_evictions"] == len(left)
+    finally:
+        tm.close()
