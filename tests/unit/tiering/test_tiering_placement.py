@@ -462,9 +462,7 @@ def test_an_emergency_frees_clean_dram_down_to_the_low_mark() -> None:
     down to the low watermark (docs/tiering.md, "Emergency eviction"). The pages were
     looked for in DRAM's order, which never holds a page with an NVMe copy (those sit
     in the clean list): none was ever freed."""
-    tm = _manager(
-        eviction="lru", hbm_bytes=2 * PAGE, dram_bytes=20 * PAGE, watermark_low=0.5
-    )
+    tm = _manager(eviction="lru", hbm_bytes=2 * PAGE, dram_bytes=20 * PAGE, watermark_low=0.5)
     try:
         for i in range(30):
             _request(tm, [b"p%d" % i])
