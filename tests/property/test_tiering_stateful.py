@@ -574,6 +574,44 @@ class TierMachine(RuleBasedStateMachine):
                 if handle.results[i] is None:
                     assert self.resident(key), f"{key!r} dropped under an unfinished load"
 
+    @invariant()
+    def orders_hold_the_candidates(self) -> None:
+        """White-box: each page's resident-children counts are at most its children that
+        hold it (in the tier, not leaving it; for DRAM, with no NVMe copy), fewer only
+        for a record made again while an orphaned child stayed (nobody counts those); a
+        count above the truth would keep a page out of NVMe's order for good. DRAM's
+        order holds exactly its dirty, settled, staying pages, the clean list its pages
+        with an NVMe copy, and NVMe's order its settled, staying leaves by those counts:
+        a page missing from its order is never evicted, and a page in the wrong one is
+        freed as what it is not."""
+        tm = self.tm
+        with tm._lock:
+            state = tm._state
+            pages = state.pages
+            held = {(key, tier): 0 for key in pages for tier in (1, 2)}
+            for rec in pages.values():
+                if rec.parent is None or rec.parent not in pages:
+                    continue
+                staying = rec.tiers & ~rec.leaving
+                if staying & 2 and not rec.tiers & 4:
+                    held[rec.parent, 1] += 1
+                if staying & 4:
+                    held[rec.parent, 2] += 1
+            dram = {rec.key for rec in state.orders[1].unordered()}
+            clean = {rec.key for rec in state.clean_dram.unordered()}
+            nvme = {rec.key for rec in state.orders[2].unordered()}
+            for key, rec in pages.items():
+                counts = (rec.resident_dram, rec.resident_nvme)
+                assert rec.resident_dram <= held[key, 1], (key, counts, held[key, 1])
+                assert rec.resident_nvme <= held[key, 2], (key, counts, held[key, 2])
+                ready = rec.state is PageState.READY
+                staying = rec.tiers & ~rec.leaving
+                dirty = bool(ready and staying & 2 and not rec.tiers & 4)
+                assert (key in dram) == dirty, (key, rec.tiers, rec.leaving, rec.state)
+                assert (key in clean) == (rec.tiers & 6 == 6), (key, rec.tiers)
+                leaf = bool(ready and staying & 4 and not rec.resident_nvme)
+                assert (key in nvme) == leaf, (key, rec.tiers, rec.leaving, counts)
+
     def teardown(self) -> None:
         try:
             self.tm.close()
