@@ -53,6 +53,11 @@ _RESERVE_BURST_MAX = 0.25
 # ... and up to this share while NVMe has room for the copies (below its low
 # watermark): a small DRAM then takes a burst of nearly its size after the last one.
 _RESERVE_ROOM_MAX = 0.75
+# A clean-reserve scan that found no page NVMe would take waits 1, 2, 4, ... up to this
+# many control cycles before the next (until the write gate or the displacement rule
+# moves): `system-prompts` spent 90% of a replay scanning DRAM for nothing. (64: the
+# tuning suite 48 of 75, 8: 49; `kvstore sim --suite`, docs/tiering.md.)
+_PRECLEAN_BACKOFF_MAX = 8
 _READY, _EVICTING = PageState.READY, PageState.EVICTING
 
 
@@ -117,6 +122,11 @@ class Eviction(EvictionWrites):
         self.dram_reserve = 1.0 - config.watermark_low
         self.burst_pages = 0  # the most pages one offer brought (the reserve's floor)
         self._reserve_at = 0.0
+        # The clean reserve's scans that found nothing: cycles to skip, the next wait,
+        # and the admission state they found nothing under (see _preclean).
+        self._preclean_skip = 0
+        self._preclean_backoff = 0
+        self._preclean_epoch = 0
         self.emergency = False
         self._emergency_offers = 0
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
@@ -684,6 +694,22 @@ class Eviction(EvictionWrites):
         if want <= 0 or not self._nvme_enabled or self.emergency or self._write_paced():
             return
         want = min(want, BATCH)
+        # A scan that found no dirty page NVMe would take waits before the next (1, 2,
+        # 4, ... cycles, at most _PRECLEAN_BACKOFF_MAX) while admission stays as it
+        # was: DRAM full of pages the write gate declines was scanned 4 x want + 64
+        # deep at every cycle, for nothing (`kvstore sim --generate system-prompts`:
+        # 16,500 -> 38,200 block accesses/s, the same hits and writes). The gate or
+        # the displacement rule moving ends the wait.
+        payoff, displacement = self._payoff, self._displacement
+        epoch = (payoff.changes if payoff is not None else 0) * 2 + (
+            1 if displacement is not None and displacement.on else 0
+        )
+        if epoch != self._preclean_epoch:
+            self._preclean_epoch = epoch
+            self._preclean_skip = self._preclean_backoff = 0
+        if self._preclean_skip > 0:
+            self._preclean_skip -= 1
+            return
 
         other_copy = self._above_nvme_mask
 
@@ -692,6 +718,11 @@ class Eviction(EvictionWrites):
 
         # take: write_back marks every one busy, which removes it from the order.
         picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
+        if picked:
+            self._preclean_backoff = 0
+        else:
+            backoff = min(2 * self._preclean_backoff or 1, _PRECLEAN_BACKOFF_MAX)
+            self._preclean_backoff = self._preclean_skip = backoff
         if picked:
             self._bump("precleaned", len(picked))
             self.write_back(picked, demote=False)

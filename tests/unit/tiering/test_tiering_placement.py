@@ -488,3 +488,47 @@ def test_an_emergency_frees_clean_dram_down_to_the_low_mark() -> None:
         assert tm._counters["emergency_evictions"] == len(left)
     finally:
         tm.close()
+
+
+def test_a_clean_reserve_scan_that_finds_nothing_backs_off_until_admission_moves() -> None:
+    """DRAM full of pages seen once, which the write gate declines: the clean reserve's
+    scan finds nothing NVMe would take, and scanning again at every control cycle was
+    most of a replay (`kvstore sim --generate system-prompts`: 90%). It waits 1, 2, 4,
+    ... cycles between scans (at most 8) while admission stays as it was; the gate
+    moving ends the wait, and the reserve is written at the next cycle."""
+    tm = _manager(
+        admission="value_density",
+        nvme_write_payoff=0.1,
+        hbm_bytes=2 * PAGE,
+        dram_bytes=16 * PAGE,
+    )
+    try:
+        for i in range(20):
+            _request(tm, [b"once%d" % i])
+        assert tm.stats().nvme_pages_written == 0
+        assert tm._state.count[DRAM] >= 13
+        order = tm._state.orders[DRAM]
+        scans: list[int] = []
+        inner = order.take
+
+        def spy(n: int, eligible: object, scan: int) -> object:
+            out = inner(n, eligible, scan)  # type: ignore[arg-type]
+            scans.append(len(out))
+            return out
+
+        order.take = spy  # type: ignore[method-assign]
+        for _ in range(40):
+            _tick(tm)
+        # Waits of 1, 2, 4, 8, 8, ... (begun while DRAM filled): at most 40 / 9 + 3
+        # scans, not 40.
+        assert 1 <= len(scans) <= 8 and not any(scans), scans
+        before = len(scans)
+        payoff = tm._value.payoff
+        assert payoff is not None
+        payoff.open[0] = True  # the gate opens for pages seen once
+        payoff.changes += 1
+        _tick(tm)
+        assert len(scans) == before + 1 and scans[-1] > 0, scans
+        assert tm._counters["precleaned"] == scans[-1]
+    finally:
+        tm.close()
