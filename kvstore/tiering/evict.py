@@ -718,14 +718,13 @@ class Eviction(EvictionWrites):
 
         # take: write_back marks every one busy, which removes it from the order.
         picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
-        if picked:
-            self._preclean_backoff = 0
-        else:
+        if not picked:
             backoff = min(2 * self._preclean_backoff or 1, _PRECLEAN_BACKOFF_MAX)
             self._preclean_backoff = self._preclean_skip = backoff
-        if picked:
-            self._bump("precleaned", len(picked))
-            self.write_back(picked, demote=False)
+            return
+        self._preclean_backoff = 0
+        self._bump("precleaned", len(picked))
+        self.write_back(picked, demote=False)
 
     # -- completions ------------------------------------------------------------------
 
