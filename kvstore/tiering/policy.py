@@ -73,7 +73,7 @@ def depth_bucket(depth: int) -> int:
 class ReuseEstimator:
     """p(reuse) per class from a bounded map of recently seen keys."""
 
-    __slots__ = ("_classes", "_history", "_limit", "_prior")
+    __slots__ = ("_classes", "_history", "_limit", "_log_p", "_log_p_at", "_prior", "_version")
 
     def __init__(self, entries: int, prior: tuple[float, float]) -> None:
         self._limit = entries
@@ -84,6 +84,12 @@ class ReuseEstimator:
         # ~half the cache's pages) made every full collection walk them all.
         self._history: OrderedDict[bytes, int] = OrderedDict()
         self._classes: dict[tuple[int, bool, str], list[float]] = {}
+        # ln max(p, floor) of the classes of pages seen once, as of ``_version`` (a
+        # count of changes to ``_classes``): an eviction scan scores dozens of pages of
+        # a few classes between two changes (``log_p_first``).
+        self._version = 0
+        self._log_p: dict[tuple[int, str], float] = {}
+        self._log_p_at = -1
 
     def __len__(self) -> int:
         return len(self._history)
@@ -167,6 +173,7 @@ class ReuseEstimator:
                     stats = classes[cls] = [0.0, 0.0]
                 stats[0] = stats[0] * _COUNT_DECAY + 1.0
                 stats[1] *= _COUNT_DECAY
+                self._version += 1
             if cls[0] != bucket or not cls[1] or cls[2] != tag:
                 cid = _class_id(bucket, True, tag)
             count = (entry >> _COUNT_SHIFT) + 1
@@ -183,10 +190,25 @@ class ReuseEstimator:
         stats[0] *= _COUNT_DECAY
         stats[1] *= _COUNT_DECAY
         stats[0 if reused else 1] += 1.0
+        self._version += 1
 
     def p_first(self, rec: PageRec) -> float:
         """p(reuse) of a page seen once so far: its class's (depth, not reused, tag)."""
         return self.p(rec.depth, False, rec.tag)
+
+    def log_p_first(self, rec: PageRec, floor: float) -> float:
+        """ln max(``p_first(rec)``, ``floor``), the same float, cached per class until
+        the estimator's counts next change (Φ's probation term, read at every entry
+        an eviction scan visits)."""
+        if self._log_p_at != self._version:
+            self._log_p.clear()
+            self._log_p_at = self._version
+        depth = rec.depth
+        key = (_BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1, rec.tag)
+        value = self._log_p.get(key)
+        if value is None:
+            value = self._log_p[key] = math.log(max(self.p(depth, False, rec.tag), floor))
+        return value
 
     def p(self, depth: int, reused: bool, tag: str) -> float:
         bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
@@ -205,6 +227,7 @@ class ReuseEstimator:
                 float(hits),  # type: ignore[arg-type]
                 float(misses),  # type: ignore[arg-type]
             ]
+        self._version += 1
 
 
 class TauController:
@@ -437,6 +460,12 @@ class PhiOrder:
         log1p, log = math.log1p, math.log
         tie = _DEPTH_TIE_S
         wp, reuse_p, floor = self._wp, self._reuse_p, _P_FLOOR
+        # The manager's estimator: its cached ln p of the class (the same float).
+        estimator = getattr(reuse_p, "__self__", None)
+        log_p: Callable[[PageRec, float], float] | None = None
+        if getattr(reuse_p, "__func__", None) is ReuseEstimator.p_first:
+            assert isinstance(estimator, ReuseEstimator)
+            log_p = estimator.log_p_first
 
         def fast(rec: PageRec) -> float:
             last = rec.last_access_s
@@ -451,7 +480,10 @@ class PhiOrder:
                 if deadline is not None and last > deadline:
                     phi -= w4 * (last - deadline) / scale
             if wp and not rec.reused:
-                phi += wp * log(max(reuse_p(rec), floor))
+                if log_p is not None:
+                    phi += wp * log_p(rec, floor)
+                else:
+                    phi += wp * log(max(reuse_p(rec), floor))
             return phi
 
         return fast

@@ -385,3 +385,39 @@ def test_the_reuse_estimator_learns_that_most_pages_seen_once_do_not_come_back()
         assert tm._reuse.p_first(probe) < 0.5
     finally:
         tm.close()
+
+
+def test_the_cached_log_p_is_the_same_float_after_every_kind_of_count_change() -> None:
+    """Φ's probation term reads ln p(reuse) of a page's class at every entry an eviction
+    scan visits; the estimator caches it per class until its counts next change. After
+    each change (an offer, a lookup's walk, a key falling out of the map, a load), the
+    cached value and the fast score must be the very floats the uncached ones are:
+    a replay's decisions may not move by a bit."""
+    rng = random.Random(7)
+    est = ReuseEstimator(entries=40, prior=(1.0, 3.0))
+    order = PhiOrder((1, 1, 0, 1), 60.0, lambda r: 0.0, 1.0, est.p_first)
+    probes = [rec(f"p{d}{t}", depth=d) for d in (0, 1, 3, 9, 70) for t in ("", "a")]
+    for i, probe in enumerate(probes):
+        probe.tag = "a" if i % 2 else ""
+    fast = order._score
+
+    def check() -> None:
+        for probe in probes:
+            want = math.log(max(est.p_first(probe), 1e-6))
+            assert est.log_p_first(probe, 1e-6) == want
+            assert fast(probe) == order.score(probe)
+
+    for step in range(600):
+        key = f"k{rng.randrange(120)}".encode()
+        depth, tag = rng.randrange(80), rng.choice(["", "a"])
+        kind = rng.randrange(3)
+        if kind == 0:
+            est.access_offer(key, depth, tag)
+        elif kind == 1:
+            est.access_lookup([f"k{rng.randrange(120)}".encode() for _ in range(5)], tag)
+        else:
+            est.access(key, depth, tag, lookup=False)
+        check()
+        if step == 300:
+            est.load_json([[3, False, "a", 5.0, 1.0], [0, False, "", 0.5, 9.0]])
+            check()
