@@ -126,7 +126,7 @@ class Eviction(EvictionWrites):
         # and the admission state they found nothing under (see _preclean).
         self._preclean_skip = 0
         self._preclean_backoff = 0
-        self._preclean_epoch = 0
+        self._preclean_epoch: tuple[int, bool] = (0, False)
         self.emergency = False
         self._emergency_offers = 0
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
@@ -701,8 +701,9 @@ class Eviction(EvictionWrites):
         # 16,500 -> 38,200 block accesses/s, the same hits and writes). The gate or
         # the displacement rule moving ends the wait.
         payoff, displacement = self._payoff, self._displacement
-        epoch = (payoff.changes if payoff is not None else 0) * 2 + (
-            1 if displacement is not None and displacement.on else 0
+        epoch = (
+            payoff.changes if payoff is not None else 0,
+            displacement is not None and displacement.on,
         )
         if epoch != self._preclean_epoch:
             self._preclean_epoch = epoch

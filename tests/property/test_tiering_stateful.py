@@ -67,6 +67,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -830,6 +831,26 @@ def test_engine_mode_keeps_a_readable_copy_of_every_page_the_engine_holds(
     assert not failures, f"{case}: " + "; ".join(failures) + f" (counters {counters})"
 
 
+@contextlib.contextmanager
+def replayed(machine: TierMachine, steps: list[tuple[str, dict[str, Any]]]) -> Iterator[None]:
+    """Run ``steps`` (a rule's name, its arguments: what a shrunk hypothesis run
+    printed) on ``machine`` outside a hypothesis run, checking the invariants after
+    each; the block checks the end state, then the machine is torn down."""
+    saved = globals()["event"]
+    globals()["event"] = lambda *args, **kwargs: None  # outside a hypothesis run
+    try:
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)
+            machine.within_capacity()
+            machine.residents_are_modelled()
+            machine.pinned_pages_stay()
+            machine.orders_hold_the_candidates()
+        yield
+    finally:
+        globals()["event"] = saved
+        machine.teardown()
+
+
 # -- an offer's promotion and a later allocation of the same offer --------------------------
 
 
@@ -855,23 +876,11 @@ def test_an_offer_promoting_a_page_keeps_it_while_later_pages_of_the_offer_take_
         ("finish_load", {}),
         ("offer", {"chain": 0, "length": 4, "sizes": sizes, "start": 0}),
     ]
-    import hypothesis.control
-
     machine = ValueDensityMachine()
-    events = hypothesis.control.event
-    try:
-        globals()["event"] = lambda *args, **kwargs: None  # outside a hypothesis run
-        for name, arguments in steps:
-            getattr(machine, name)(**arguments)
-            machine.within_capacity()
-            machine.residents_are_modelled()
-            machine.pinned_pages_stay()
+    with replayed(machine, steps):
         machine.drain()
         machine.within_capacity()
         assert machine.tm._hbm.free_slots() + machine.tm.stats().pages_by_tier[0] == HBM_PAGES
-    finally:
-        globals()["event"] = events
-        machine.teardown()
 
 
 # -- a load of NVMe pages into a DRAM whose pages NVMe has no room for ----------------------
@@ -908,19 +917,7 @@ def test_a_load_of_nvme_pages_gets_its_slots_while_nvme_has_no_room_for_drams_pa
         ("finish_load", {}),
         ("finish_load", {}),
     ]
-    import hypothesis.control
-
     machine = DisplacementMachine()
-    events = hypothesis.control.event
-    try:
-        globals()["event"] = lambda *args, **kwargs: None  # outside a hypothesis run
-        for name, arguments in steps:
-            getattr(machine, name)(**arguments)  # finish_load asserts every page loaded
-            machine.within_capacity()
-            machine.residents_are_modelled()
-            machine.pinned_pages_stay()
+    with replayed(machine, steps):  # finish_load asserts every page loaded
         stats = machine.tm.stats()
         assert stats.load_failures == 0, stats.load_failures
-    finally:
-        globals()["event"] = events
-        machine.teardown()
