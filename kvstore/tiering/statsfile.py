@@ -16,7 +16,8 @@ Format, version 1 (JSON, one object; built by ``snapshot``)::
     compute_flops    float: the fitted effective compute rate C_eff (FLOP/s)
     heat             [[hex_key, decayed_hits, age_s], ...], hottest first
     payoff           optional: the NVMe write gate per class of page (seen once,
-                     seen again): {"open": [0|1, 0|1], "paid": [f, f], "unpaid": [f, f]}
+                     seen again): {"open": [0|1, 0|1], "paid": [f, f], "unpaid": [f, f],
+                     "occasions": [f, f] (optional)}
     summary          {"pages_by_tier", "used_bytes", "capacity_bytes",
                       "hits_by_tier": [hbm, dram, nvme], "misses", "lookups",
                       "nvme_pages_written", "nvme_bytes_written",
@@ -528,7 +529,9 @@ def parse_for_manager(data: object, where: str) -> ManagerStats:
     if "payoff" in checked:  # optional: written since the NVMe write gate exists
         raw = checked["payoff"]
         payoff = {}
-        for name in ("open", "paid", "unpaid"):
+        for name in ("open", "paid", "unpaid", "occasions"):
+            if name == "occasions" and isinstance(raw, dict) and name not in raw:
+                continue  # optional: written since the gate counts occasions
             values = raw.get(name) if isinstance(raw, dict) else None
             if not (isinstance(values, list) and len(values) == 2):
                 raise ValueError(f"{where}: payoff.{name} is not two numbers")

@@ -33,12 +33,42 @@ def test_ghosts_asked_for_again_open_the_closed_class() -> None:
     for i in range(40):
         gate.declined(k(i), seen=1)
     assert not gate.admits(1) and gate.changes == 0
-    # Half of them asked for again, in prefix order, while remembered: they would have
-    # been NVMe hits, and 50% is far above the 10% bar.
-    gate.missed([k(i) for i in range(20)])
+    # Half of them asked for again, in prefix order, while remembered, by two lookups:
+    # they would have been NVMe hits, and 50% is far above the 10% bar.
+    gate.missed([k(i) for i in range(10)])
+    gate.missed([k(i) for i in range(10, 20)])
     assert gate.admits(1)
     assert gate.changes == 1
     assert gate.payoff(ONCE) == pytest.approx(1.0)  # only paid ghosts settled so far
+
+
+def test_one_lookup_finding_many_ghosts_does_not_open_the_class_a_second_does() -> None:
+    """One document re-read is one occasion, however many of its pages were ghosts
+    (`kvstore sim --generate long-docs` seed 2 at 0.005: one lookup found four, the
+    class opened, and it wrote 8,400 pages nobody read back)."""
+    gate = WritePayoff(0.001, horizon_pages=1000)
+    for i in range(40):
+        gate.declined(k(i), seen=1)
+    gate.missed([k(i) for i in range(16)])  # 16 read-backs: the share and _MIN_PAID met
+    assert gate.payoff(ONCE) == pytest.approx(1.0)
+    assert not gate.admits(1) and gate.changes == 0
+    gate.declined(k(40), seen=1)  # the request's own pages, between the two lookups
+    gate.missed([k(20)])
+    assert gate.admits(1) and gate.changes == 1
+
+
+def test_a_run_of_read_backs_is_one_occasion_and_any_other_event_ends_it() -> None:
+    gate = WritePayoff(0.1, horizon_pages=1000)
+    for i in range(40):
+        gate.written(k(i), seen=2)
+    for i in range(5):
+        gate.read_back(k(i))  # one load of five pages
+    assert gate.to_json()["occasions"][REUSED] == pytest.approx(1.0, abs=0.01)
+    gate.written(k(40), seen=2)
+    gate.read_back(k(5))
+    assert gate.to_json()["occasions"][REUSED] == pytest.approx(2.0, abs=0.01)
+    gate.missed([k(6)])  # no ghost of it: nothing settles, nothing counts
+    assert gate.to_json()["occasions"][REUSED] == pytest.approx(2.0, abs=0.01)
 
 
 def test_one_ghost_asked_again_does_not_open_the_class_three_do() -> None:
@@ -53,7 +83,7 @@ def test_one_ghost_asked_again_does_not_open_the_class_three_do() -> None:
     assert gate.payoff(ONCE) > 0.001
     assert not gate.admits(1) and gate.changes == 0
     gate.missed([k(26)])
-    gate.missed([k(27)])  # three, less their decay: 2.99
+    gate.missed([k(27)])  # three, less their decay: 2.998...
     assert not gate.admits(1)
     gate.missed([k(28)])
     assert gate.admits(1) and gate.changes == 1
@@ -97,6 +127,25 @@ def test_written_pages_never_read_back_close_an_open_class_with_hysteresis() -> 
     assert not gate.admits(2)
 
 
+def test_a_class_read_back_in_bursts_stays_open_between_them() -> None:
+    """1% of the writes read back, ten at a time every thousand writes (a long prompt
+    re-read): above the close level, so the class stays open through the gaps. (Counts
+    decayed over ~500 pages closed it in every gap: `long-prompts`' seen-once class.)"""
+    gate = WritePayoff(0.01, horizon_pages=100_000)
+    i = 0
+    for _ in range(10):
+        for _ in range(10):
+            gate.written(k(i), seen=2)
+            gate.read_back(k(i))
+            i += 1
+        for _ in range(990):
+            gate.written(k(i), seen=2)
+            gate.deleted(k(i))
+            i += 1
+            assert gate.admits(2), i
+    assert gate.changes == 0
+
+
 def test_a_write_unread_after_capacity_later_writes_counts_as_unpaid() -> None:
     gate = WritePayoff(0.5, horizon_pages=4)
     for i in range(30):
@@ -114,6 +163,24 @@ def test_the_state_round_trips_through_json() -> None:
     again.load_json(gate.to_json())
     assert again.open == gate.open
     assert again.payoff(ONCE) == gate.payoff(ONCE)
+    assert again.to_json() == gate.to_json()
+
+
+def test_a_saved_gate_without_occasions_loads_with_none() -> None:
+    """A statistics file written before the gate counted occasions: the counts load,
+    a closed class needs two new occasions to open."""
+    gate = WritePayoff(0.1, horizon_pages=100)
+    saved = {"open": [0.0, 1.0], "paid": [5.0, 1.0], "unpaid": [20.0, 3.0]}
+    gate.load_json(saved)
+    assert gate.to_json()["occasions"] == [0.0, 0.0]
+    assert gate.payoff(ONCE) == pytest.approx(0.2)
+    gate.declined(k(1), seen=1)
+    gate.declined(k(2), seen=1)
+    gate.missed([k(1)])
+    assert not gate.admits(1)
+    gate.declined(k(3), seen=1)
+    gate.missed([k(2)])
+    assert gate.admits(1)
 
 
 @pytest.mark.parametrize("bar", [-0.1, 1.5, float("nan"), float("inf")])
@@ -210,6 +277,8 @@ def test_the_gate_survives_a_restart(tmp_path: Path) -> None:
         {"open": [1], "paid": [0, 0], "unpaid": [0, 0]},
         {"open": [1, 0], "paid": [-1, 0], "unpaid": [0, 0]},
         {"open": [1, 0], "paid": [0, 0]},
+        {"open": [1, 0], "paid": [0, 0], "unpaid": [0, 0], "occasions": [0, -1]},
+        {"open": [1, 0], "paid": [0, 0], "unpaid": [0, 0], "occasions": "2"},
         [1, 0],
     ],
 )
