@@ -421,3 +421,31 @@ def test_the_cached_log_p_is_the_same_float_after_every_kind_of_count_change() -
         if step == 300:
             est.load_json([[3, False, "a", 5.0, 1.0], [0, False, "", 0.5, 9.0]])
             check()
+
+
+def test_a_deeper_class_measured_above_a_shallower_one_raises_it() -> None:
+    """A page is reused only with its prefix: p(reuse) of pages seen once may not rise
+    with depth. Depths 4-7 measured at 1/54, 16-31 at 21/29: the shallower class is
+    raised to the deeper one's p; a deeper class without counts raises nothing."""
+    est = ReuseEstimator(entries=100, prior=(1.0, 3.0))
+    est.load_json([[3, False, "", 0.0, 50.0], [5, False, "", 20.0, 5.0]])
+    high = 21.0 / 29.0
+    assert est.p(5, False, "") == pytest.approx(1.0 / 54.0)  # the class itself
+    assert est.p_first(rec("a", depth=5)) == high
+    assert est.p_first(rec("b", depth=20)) == high
+    assert est.p_first(rec("c", depth=1)) == high  # bucket 1: the prior, raised
+    assert est.p_first(rec("d", depth=70)) == pytest.approx(0.25)  # no counts: the prior
+    assert est.log_p_first(rec("a", depth=5), 1e-6) == math.log(high)
+
+
+def test_a_chains_parent_never_ranks_below_its_child_by_the_probation_term() -> None:
+    """Parent at depth 20, child at 40, touched at one instant, both seen once: the
+    child's class (32-63) measured above the parent's (16-31). The child must still go
+    first: a parent ranked below its child heads DRAM's order without being a victim,
+    and every allocation scans past it (`long-docs`: 47 entries per block access)."""
+    est = ReuseEstimator(entries=100, prior=(1.0, 3.0))
+    est.load_json([[5, False, "", 1.0, 40.0], [6, False, "", 30.0, 10.0]])
+    order = PhiOrder((1, 1, 0, 1), 60.0, lambda r: 0.0, 1.0, est.p_first)
+    parent, child = rec("parent", depth=20), rec("child", depth=40)
+    assert order.score(child) < order.score(parent)
+    assert order._score(child) == order.score(child)
