@@ -202,21 +202,13 @@ class ReuseEstimator:
         led with parents that cannot go before their children (`kvstore sim --generate
         long-docs`: 47 entries scanned per block access, 17,000 accesses/s; 27,000 with
         the classes raised, and the suite's verdicts as good: docs/tiering.md)."""
-        depth = rec.depth
-        bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
-        return self._p_first_bucket(bucket, rec.tag)
+        return self._p_first_bucket(depth_bucket(rec.depth), rec.tag)
 
     def _p_first_bucket(self, bucket: int, tag: str) -> float:
-        classes = self._classes
-        a, b = self._prior
-        stats = classes.get((bucket, False, tag))
-        best = a / (a + b) if stats is None else (stats[0] + a) / (stats[0] + stats[1] + a + b)
+        best = self._p_class(bucket, False, tag)
         for deeper in range(bucket + 1, _DEPTH_BUCKETS):
-            stats = classes.get((deeper, False, tag))
-            if stats is not None:
-                p = (stats[0] + a) / (stats[0] + stats[1] + a + b)
-                if p > best:
-                    best = p
+            if (deeper, False, tag) in self._classes:  # a class without counts raises nothing
+                best = max(best, self._p_class(deeper, False, tag))
         return best
 
     def log_p_first(self, rec: PageRec, floor: float) -> float:
@@ -236,7 +228,11 @@ class ReuseEstimator:
 
     def p(self, depth: int, reused: bool, tag: str) -> float:
         bucket = _BUCKET_OF[depth] if depth < _BUCKET_TABLE else _DEPTH_BUCKETS - 1
-        stats = self._classes.get((bucket, reused, tag))  # depth_bucket, by its table
+        return self._p_class(bucket, reused, tag)  # depth_bucket, by its table
+
+    def _p_class(self, bucket: int, reused: bool, tag: str) -> float:
+        """The Beta-smoothed p of one class (the prior's mean without counts)."""
+        stats = self._classes.get((bucket, reused, tag))
         a, b = self._prior
         if stats is None:
             return a / (a + b)
