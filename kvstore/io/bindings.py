@@ -258,6 +258,24 @@ _loaded: dict[str, Binding] = {}
 _loaded_lock = threading.Lock()
 
 
+def _import_liburing() -> ModuleType:
+    """``import liburing``, once more if the first attempt failed on a file: the 2024
+    wheel's loader (``dynamic_import``) deletes its own bytecode cache while it imports,
+    so two processes importing it for the first time can race on that file
+    (FileNotFoundError in the one that lost: CI's fresh virtual environment, a store
+    opened in two processes at once). The second attempt finds the cache rebuilt."""
+    try:
+        return importlib.import_module("liburing")
+    except ImportError as e:
+        raise IOFailure(f"no io_uring binding: cannot import liburing ({e})") from e
+    except OSError:
+        pass  # lost the race on the loader's cache file: once more
+    try:
+        return importlib.import_module("liburing")
+    except (ImportError, OSError) as e:
+        raise IOFailure(f"no io_uring binding: importing liburing failed ({e!r})") from e
+
+
 def load_binding(wanted: str = "auto") -> Binding:
     """The importable ``liburing`` as a ``Binding``, checked against ``wanted``.
 
@@ -271,10 +289,7 @@ def load_binding(wanted: str = "auto") -> Binding:
         cached = _loaded.get(wanted)
         if cached is not None:
             return cached
-        try:
-            module = importlib.import_module("liburing")
-        except ImportError as e:
-            raise IOFailure(f"no io_uring binding: cannot import liburing ({e})") from e
+        module = _import_liburing()
         flavour = binding_flavour(module)
         if flavour is None:
             raise IOFailure(

@@ -125,12 +125,17 @@ def make_engine(kind: str = "auto", depth: int = 64, binding: str = "auto") -> I
         how = "set by KVSTORE_IO_ENGINE" if source == ENGINE_ENV else "asked for"
         return ThreadPoolEngine(depth, why=f"thread pool ({how})")
     verdict = probe_uring(binding)
+    reason = verdict.reason
     if verdict.ok:
-        loaded = load_binding(binding)
-        return UringEngine(depth, loaded, why=f"io_uring via {loaded.name} {loaded.version}")
+        try:  # the child could import it; this process may still fail to (a file race)
+            loaded = load_binding(binding)
+        except IOFailure as e:
+            reason = str(e)
+        else:
+            return UringEngine(depth, loaded, why=f"io_uring via {loaded.name} {loaded.version}")
     if kind == "io_uring":
-        raise IOFailure(f"io_engine='io_uring' cannot run here: {verdict.reason}")
-    return ThreadPoolEngine(depth, why=f"thread pool: io_uring unusable ({verdict.reason})")
+        raise IOFailure(f"io_engine='io_uring' cannot run here: {reason}")
+    return ThreadPoolEngine(depth, why=f"thread pool: io_uring unusable ({reason})")
 
 
 def run_all(queue: IOQueue, requests: list[tuple[str, int, int, memoryview]]) -> list[int]:

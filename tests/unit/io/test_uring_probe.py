@@ -205,3 +205,60 @@ def test_the_2026_wheel_runs_or_is_refused_for_a_named_reason() -> None:
         assert verdict.ok, verdict.reason
     else:
         assert verdict.ok or "SIGILL" in verdict.reason or "refused" in verdict.reason, verdict
+
+
+def _flaky_import(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[str]:
+    """``import liburing`` fails ``failures`` times with the 2024 wheel's loader's
+    FileNotFoundError (two processes racing on its bytecode cache), then imports."""
+    import importlib
+
+    from kvstore.io import bindings as bindings_module
+
+    real = importlib.import_module
+    calls: list[str] = []
+
+    def flaky(name: str, package: str | None = None) -> object:
+        if name == "liburing":
+            calls.append(name)
+            if len(calls) <= failures:
+                raise FileNotFoundError(2, "No such file or directory", "__init__.importer.pyc")
+        return real(name, package)
+
+    monkeypatch.setattr(bindings_module, "_loaded", {})
+    monkeypatch.setattr(importlib, "import_module", flaky)
+    return calls
+
+
+def test_an_import_that_loses_the_loaders_file_race_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI's fresh clone: a reader process opening the store lost that race and died
+    (FileNotFoundError out of KVStore.open); the second import finds the cache rebuilt."""
+    try:
+        installed = load_binding().name
+    except IOFailure:
+        pytest.skip("no liburing importable here")
+    calls = _flaky_import(monkeypatch, failures=1)
+    assert load_binding().name == installed
+    assert len(calls) == 2
+
+
+def test_an_import_that_keeps_failing_on_a_file_is_an_io_failure_and_auto_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _flaky_import(monkeypatch, failures=99)
+    with pytest.raises(IOFailure, match=r"importing liburing failed.*FileNotFoundError"):
+        load_binding()
+    assert len(calls) == 2
+    # The child's probe could import it, this process cannot: auto takes the thread
+    # pool with the reason, io_uring by name is refused with it (never a raw OSError).
+    ok = probe_module.ProbeVerdict(ok=True, binding="liburing-2024", version="0", reason="")
+    monkeypatch.setattr(probe_module, "probe_uring", lambda *a, **k: ok)
+    engine = make_engine("auto")
+    try:
+        assert engine.why.startswith("thread pool: io_uring unusable")
+        assert "FileNotFoundError" in engine.why
+    finally:
+        engine.close()
+    with pytest.raises(IOFailure, match=r"cannot run here.*FileNotFoundError"):
+        make_engine("io_uring")
