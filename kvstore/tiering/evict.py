@@ -127,6 +127,9 @@ class Eviction(EvictionWrites):
         self._preclean_skip = 0
         self._preclean_backoff = 0
         self._preclean_epoch: tuple[int, bool] = (0, False)
+        # Whether the last empty scan saw all of DRAM's order, and DRAM's arrivals then.
+        self._preclean_whole = False
+        self._preclean_arrivals = 0
         self.emergency = False
         self._emergency_offers = 0
         self._nvme_reserved = 0  # bytes of NVMe writes in flight (room taken)
@@ -699,13 +702,20 @@ class Eviction(EvictionWrites):
         # was: DRAM full of pages the write gate declines was scanned 4 x want + 64
         # deep at every cycle, for nothing (`kvstore sim --generate system-prompts`:
         # 16,500 -> 38,200 block accesses/s, the same hits and writes). The gate or
-        # the displacement rule moving ends the wait.
+        # the displacement rule moving ends the wait; so does a page arriving in DRAM
+        # after an empty scan that saw all of DRAM's order (it never saw the new page:
+        # a 4-page DRAM offered a chain while the wait ran on left the chain's root
+        # dirty, and the next offer's last page was declined for want of a clean slot).
         payoff, displacement = self._payoff, self._displacement
         epoch = (
             payoff.changes if payoff is not None else 0,
             displacement is not None and displacement.on,
         )
-        if epoch != self._preclean_epoch:
+        counters = self._counters
+        arrivals = counters.get("admission:dram:admitted", 0) + counters.get("demotions", 0)
+        if epoch != self._preclean_epoch or (
+            self._preclean_whole and arrivals != self._preclean_arrivals
+        ):
             self._preclean_epoch = epoch
             self._preclean_skip = self._preclean_backoff = 0
         if self._preclean_skip > 0:
@@ -718,10 +728,13 @@ class Eviction(EvictionWrites):
             return not rec.tiers & other_copy and copyable(rec) and self._admits_nvme(rec)
 
         # take: write_back marks every one busy, which removes it from the order.
-        picked = self._orders[DRAM].take(want, dirty, 4 * want + 64)
+        order, scan = self._orders[DRAM], 4 * want + 64
+        picked = order.take(want, dirty, scan)
         if not picked:
             backoff = min(2 * self._preclean_backoff or 1, _PRECLEAN_BACKOFF_MAX)
             self._preclean_backoff = self._preclean_skip = backoff
+            self._preclean_whole = len(order) <= scan
+            self._preclean_arrivals = arrivals
             return
         self._preclean_backoff = 0
         self._bump("precleaned", len(picked))
