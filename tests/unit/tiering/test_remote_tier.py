@@ -122,7 +122,9 @@ def test_read_timings_split_a_read_into_queue_call_and_checks(cluster: str) -> N
         c = memory_cluster(cluster)
         c.hang.set()  # the read blocks in the backend's call until released
         assert b.lookup(keys).remote_pending == 24
-        time.sleep(0.1)
+        # Held 0.15 s from the lookup: the read, timed from the call's start (on a
+        # worker, after the lookup returned), is held at least 0.1 s of it.
+        time.sleep(0.15)
         c.hang.clear()
         c.release.set()
         assert _fetch(b, keys) == 24
