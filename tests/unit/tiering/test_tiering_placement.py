@@ -100,11 +100,12 @@ def test_a_request_chain_leaves_hbm_from_its_tail() -> None:
         tm.close()
 
 
-def test_a_backtrack_counts_a_hit_but_the_sessions_rereads_dilute_it() -> None:
+def test_a_backtrack_counts_a_hit_but_the_sessions_rereads_cancel_it() -> None:
     """A session that backtracks once (its prefix branches) gains one hit on the pages
-    above the branch, and its later turns re-read them without branching: Φ counts
-    that hit by the share of reads that branched. A document whose every reader goes
-    on differently keeps its hits whole."""
+    above the branch, and its later turns re-read them without branching: under half
+    of the reads branched, so Φ counts no hit and the page ranks as an unshared one.
+    A document whose every reader goes on differently keeps its hits (by the share
+    of reads that branched)."""
     tm = _manager(dram_bytes=64 * PAGE, nvme_bytes=256 * PAGE)
     try:
         _request(tm, [b"s0", b"s1", b"s2"])
@@ -122,13 +123,16 @@ def test_a_backtrack_counts_a_hit_but_the_sessions_rereads_dilute_it() -> None:
         assert document.hits == pytest.approx(2.0, abs=0.05)  # readers 3 and 4 branched
         assert document.reads == pytest.approx(3.0, abs=0.1)  # readers 2-4 hit it
         order = tm._orders[HBM]
-        for page in (session, document):  # same recency and depth ...
+        for page in (session, document):  # same recency and depth: only the hits differ
             page.last_access_s, page.depth = 10.0, 0
-        document.hits = session.hits = 1.0  # ... and hits: only the reads differ
+        hits, reads = document.hits, document.reads
         assert order.score(document) - order.score(session) == pytest.approx(
-            math.log1p(1.0 / document.reads) - math.log1p(1.0 / session.reads)
+            math.log1p(hits * hits / reads)
         )
-        assert order.score(document) > order.score(session)
+        session.shared = False
+        unshared = order.score(session)
+        session.shared = True
+        assert order.score(session) == pytest.approx(unshared)
     finally:
         tm.close()
 

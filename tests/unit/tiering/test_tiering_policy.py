@@ -70,25 +70,30 @@ def test_phi_hits_count_only_for_shared_pages() -> None:
 
 @pytest.mark.parametrize("cost_term", [0.0, 1.0])  # 0: the fast closure; 1: score()
 def test_phi_hits_count_by_the_share_of_reads_that_branched(cost_term: float) -> None:
-    """A session's page re-read by its own twenty turns and branched at three of them
-    (backtracks) counts 3 x 3/20 hits; a shared document's page with the same three
-    hits, each read a branch, counts all three. Fewer reads than hits (a restart's
-    heat, no reads yet) count the hits as they are."""
+    """A shared document's page with three hits, each read a branch, counts all three;
+    one whose reads branched half the time (2 hits in 4 reads) counts 2 x 1/2. A
+    session's page re-read by its own twenty turns and branched at three of them
+    (backtracks: under half of its reads) counts none, and ranks as an unshared page
+    of its age. Fewer reads than hits (a restart's heat, no reads yet) count the hits
+    as they are."""
     order = PhiOrder((1, 1, cost_term, 0), 60.0, lambda r: 0.0)  # type: ignore[arg-type]
     session = rec("session", last=0, hits=3.0)
     session.reads = 20.0
     document = rec("document", last=0, hits=3.0)
     document.reads = 3.0
+    half = rec("half", last=0, hits=2.0)
+    half.reads = 4.0
     restored = rec("restored", last=0, hits=3.0)  # reads 0
+    unshared = rec("unshared", last=0, hits=3.0, shared=False)
     newer = rec("newer", last=30, hits=0.0)  # 0.5 units of recency, no hits
-    for page in (session, document, restored, newer):
+    for page in (session, document, half, restored, unshared, newer):
         order.add(page)
-    # session: log1p(0.45) = 0.37 < newer's 0.5 < log1p(3) = 1.39 (document, restored)
-    assert take_all(order)[:2] == ["session", "newer"]
+    # session, unshared: 0 < newer's 0.5 < log1p(1) = 0.69 (half) < log1p(3) = 1.39
+    assert take_all(order)[:3] == ["session", "unshared", "newer"]
+    assert order.score(session) == pytest.approx(order.score(unshared))
     assert order.score(document) == pytest.approx(order.score(restored))
-    assert order.score(document) - order.score(session) == pytest.approx(
-        math.log1p(3.0) - math.log1p(3.0 * 3.0 / 20.0)
-    )
+    assert order.score(half) - order.score(session) == pytest.approx(math.log1p(1.0))
+    assert order.score(document) - order.score(session) == pytest.approx(math.log1p(3.0))
 
 
 @pytest.mark.parametrize("cost_term", [0.0, 1.0])  # 0: the fast closure; 1: score()
