@@ -571,7 +571,9 @@ def test_dram_stays_full_where_nvme_takes_no_page(nvme: float) -> None:
     # A disk slower than recomputing (κ_nvme 0.06 here) takes no page, and without NVMe
     # there is none: DRAM's pages leave by being dropped, at once. The control cycle
     # still evicted DRAM down to its low watermark ahead of need, and the slots stayed
-    # empty: DRAM 0.875 full, hit ratio 0.125 on the slow disk (0.970 and 0.241 now).
+    # empty: DRAM 0.875 full, hit ratio 0.125 on the slow disk (0.970 and 0.241 after
+    # the fix; 0.228 since Φ's hits skip pages where under half of the reads branched:
+    # the bound is the fix's, not the policy's of the day).
     from kvstore.tiering.sim import replay
     from kvstore.tiering.sim.trace import generate
 
@@ -585,7 +587,7 @@ def test_dram_stays_full_where_nvme_takes_no_page(nvme: float) -> None:
     [result] = document["results"]
     assert result["nvme_blocks_written"] == 0
     assert result["details"]["occupancy"]["dram"] > 0.95, result["details"]["occupancy"]
-    assert result["hit_ratio"] > 0.23, result["hit_ratio"]
+    assert result["hit_ratio"] > 0.2, result["hit_ratio"]
 
 
 def test_an_allocation_finds_a_leaf_below_a_head_of_inner_pages() -> None:
