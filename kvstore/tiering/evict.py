@@ -712,7 +712,11 @@ class Eviction(EvictionWrites):
             displacement is not None and displacement.on,
         )
         counters = self._counters
-        arrivals = counters.get("admission:dram:admitted", 0) + counters.get("demotions", 0)
+        arrivals = (  # dirty pages into DRAM: offered, placed after waiting, demoted
+            counters.get("admission:dram:admitted", 0)
+            + counters.get("admission:dram:waited", 0)
+            + counters.get("demotions", 0)
+        )
         if epoch != self._preclean_epoch or (
             self._preclean_whole and arrivals != self._preclean_arrivals
         ):
