@@ -711,14 +711,8 @@ class Eviction(EvictionWrites):
             payoff.changes if payoff is not None else 0,
             displacement is not None and displacement.on,
         )
-        counters = self._counters
-        arrivals = (  # dirty pages into DRAM: offered, placed after waiting, demoted
-            counters.get("admission:dram:admitted", 0)
-            + counters.get("admission:dram:waited", 0)
-            + counters.get("demotions", 0)
-        )
         if epoch != self._preclean_epoch or (
-            self._preclean_whole and arrivals != self._preclean_arrivals
+            self._preclean_whole and self._dram_arrivals() != self._preclean_arrivals
         ):
             self._preclean_epoch = epoch
             self._preclean_skip = self._preclean_backoff = 0
@@ -738,11 +732,20 @@ class Eviction(EvictionWrites):
             backoff = min(2 * self._preclean_backoff or 1, _PRECLEAN_BACKOFF_MAX)
             self._preclean_backoff = self._preclean_skip = backoff
             self._preclean_whole = len(order) <= scan
-            self._preclean_arrivals = arrivals
+            self._preclean_arrivals = self._dram_arrivals()
             return
         self._preclean_backoff = 0
         self._bump("precleaned", len(picked))
         self.write_back(picked, demote=False)
+
+    def _dram_arrivals(self) -> int:
+        """Dirty pages into DRAM so far: offered, placed after waiting, demoted."""
+        counters = self._counters
+        return (
+            counters.get("admission:dram:admitted", 0)
+            + counters.get("admission:dram:waited", 0)
+            + counters.get("demotions", 0)
+        )
 
     # -- completions ------------------------------------------------------------------
 
